@@ -1,0 +1,15 @@
+"""hsdata: chunked, checksummed, crash-safe hidden-state stores for speculative-decoding (EAGLE-3) training."""
+
+from .errors import (CorruptDataError, DuplicateSampleError, HsdataError, InvalidSampleError, NotAStoreError,
+                     SpecMismatchError, UnsupportedFormatError, WriterError)
+from .reader import Store, open
+from .spec import FORMAT_VERSION, StoreSpec, TensorSpec
+from .writer import Writer, create
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CorruptDataError", "DuplicateSampleError", "FORMAT_VERSION", "HsdataError", "InvalidSampleError",
+    "NotAStoreError", "SpecMismatchError", "Store", "StoreSpec", "TensorSpec", "UnsupportedFormatError", "Writer",
+    "WriterError", "create", "open",
+]

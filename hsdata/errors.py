@@ -1,0 +1,35 @@
+"""Every error hsdata raises is an :class:`HsdataError`; each also inherits the built-in it refines."""
+
+from __future__ import annotations
+
+
+class HsdataError(Exception):
+    """Base class of all hsdata errors."""
+
+
+class NotAStoreError(HsdataError, FileNotFoundError):
+    """The path holds no hsdata store."""
+
+
+class UnsupportedFormatError(HsdataError, ValueError):
+    """The store was written in a format version this hsdata cannot read."""
+
+
+class SpecMismatchError(HsdataError, ValueError):
+    """``hsdata.create`` was asked to join a store whose spec differs from the one given."""
+
+
+class InvalidSampleError(HsdataError, ValueError):
+    """A sample passed to ``Writer.add`` does not fit the store's spec."""
+
+
+class DuplicateSampleError(InvalidSampleError):
+    """A sample id was added twice (or is already committed in the store)."""
+
+
+class CorruptDataError(HsdataError, OSError):
+    """Bytes read from the store do not match their checksum, or a file is truncated or missing."""
+
+
+class WriterError(HsdataError, RuntimeError):
+    """The writer's background I/O failed or the writer is closed; nothing after the last commit is visible."""

@@ -1,0 +1,112 @@
+"""Checking and converting what ``Writer.add`` is given into the stored arrays, copying only when needed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import InvalidSampleError
+from .spec import MAX_INPUT_ID, StoreSpec
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A validated sample: C-contiguous arrays in stored dtypes, shapes ``[T]`` or ``[T, width]``."""
+
+    sample_id: str
+    arrays: dict[str, np.ndarray]
+    meta: str | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.arrays["input_ids"])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def prepare(spec: StoreSpec, sample_id: Any, *, input_ids: Any, loss_mask: Any, aux_hidden_states: Any,
+            hidden_states: Any, meta: Any = None) -> Sample:
+    """Validate one sample against ``spec``; raise :class:`InvalidSampleError` naming the sample and the problem."""
+    if not isinstance(sample_id, str) or not sample_id:
+        raise InvalidSampleError(f"sample_id must be a non-empty string, got {sample_id!r}")
+
+    def fail(message: str) -> InvalidSampleError:
+        return InvalidSampleError(f"sample {sample_id!r}: {message}")
+
+    ids = _integers(input_ids, "input_ids", fail)
+    if ids.ndim != 1:
+        raise fail(f"input_ids must have shape [T], got {list(ids.shape)}")
+    num_tokens = len(ids)
+    if num_tokens == 0:
+        raise fail("empty sample (0 tokens)")
+    limit = MAX_INPUT_ID if spec.vocab_size is None else spec.vocab_size - 1
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi > limit:
+        bad = lo if lo < 0 else hi
+        raise fail(f"input_ids holds {bad}, outside [0, {limit}]" + ("" if spec.vocab_size is None else " (vocab_size)"))
+
+    mask = _integers(loss_mask, "loss_mask", fail)
+    if mask.shape != (num_tokens,):
+        raise fail(f"loss_mask must have shape [{num_tokens}] like input_ids, got {list(mask.shape)}")
+    if mask.dtype != np.bool_ and ((mask != 0) & (mask != 1)).any():
+        raise fail("loss_mask must hold only 0 and 1")
+
+    k, h = len(spec.aux_layers), spec.hidden_size
+    aux = _bfloat16_bits(aux_hidden_states, "aux_hidden_states", fail)
+    if aux.shape == (num_tokens, k, h):
+        aux = aux.reshape(num_tokens, k * h)
+    if aux.shape != (num_tokens, k * h):
+        raise fail(f"aux_hidden_states must have shape [{num_tokens}, {k * h}] ({k} layers x hidden size {h}) "
+                   f"or [{num_tokens}, {k}, {h}], got {list(aux.shape)}")
+    final = _bfloat16_bits(hidden_states, "hidden_states", fail)
+    if final.shape != (num_tokens, h):
+        raise fail(f"hidden_states must have shape [{num_tokens}, {h}], got {list(final.shape)}")
+
+    if meta is not None:
+        try:
+            meta = json.dumps(meta, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise fail(f"meta must be JSON-serializable: {e}") from None
+    arrays = {
+        "input_ids": ids.astype(np.int32),
+        "loss_mask": mask.astype(np.uint8, copy=False),
+        "aux_hidden_states": aux,
+        "hidden_states": final,
+    }
+    return Sample(sample_id, arrays, meta)
+
+
+def _integers(value: Any, name: str, fail) -> np.ndarray:
+    array = _host_array(value) if isinstance(value, torch.Tensor) else np.asarray(value)
+    if array.dtype.kind not in "iub":
+        raise fail(f"{name} must hold integers, got dtype {_dtype_name(value, array)}")
+    return array
+
+
+def _bfloat16_bits(value: Any, name: str, fail) -> np.ndarray:
+    """The uint16 bit pattern of a bfloat16 torch tensor or numpy (ml_dtypes) array, without copying."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype != torch.bfloat16:
+            raise fail(f"{name} must be bfloat16, got {value.dtype}; convert with .to(torch.bfloat16)")
+        return _host_array(value.view(torch.uint16))
+    array = np.asarray(value)
+    if array.dtype.name != "bfloat16":
+        raise fail(f"{name} must be bfloat16, got dtype {array.dtype}; pass a torch.bfloat16 tensor")
+    return np.ascontiguousarray(array).view(np.uint16)
+
+
+def _host_array(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return tensor.contiguous().numpy()
+
+
+def _dtype_name(value: Any, array: np.ndarray) -> str:
+    return str(value.dtype) if isinstance(value, torch.Tensor) else str(array.dtype)

@@ -1,0 +1,95 @@
+"""Where things live in a store and the zarr v3 metadata documents that describe them.
+
+    zarr.json                                root group; attributes["hsdata"] = StoreSpec.to_dict()
+    parts/zarr.json                          group holding one subgroup per writer
+    parts/<part>/zarr.json                   group of one writer (attributes["hsdata_part"]: who, when)
+    parts/<part>/<tensor>/zarr.json          token-major sharded array
+    parts/<part>/<tensor>/c/<s>[/0]          shard s of that array (see shard.py)
+    manifests/<part>.<seq>.<xxh3>.parquet    committed sample rows (see manifest.py)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import CorruptDataError, NotAStoreError
+from .spec import StoreSpec, TensorSpec
+
+ROOT_METADATA = "zarr.json"
+PARTS = "parts"
+MANIFESTS = "manifests"
+SPEC_ATTRIBUTE = "hsdata"
+PART_ATTRIBUTE = "hsdata_part"
+
+
+def metadata_key(node: str) -> str:
+    return f"{node}/{ROOT_METADATA}" if node else ROOT_METADATA
+
+
+def part_node(part: str) -> str:
+    return f"{PARTS}/{part}"
+
+
+def array_node(part: str, tensor: TensorSpec) -> str:
+    return f"{PARTS}/{part}/{tensor.name}"
+
+
+def shard_key(part: str, tensor: TensorSpec, shard: int) -> str:
+    """Key of shard ``shard`` (zarr's default chunk key encoding: ``c/<i>`` per dimension)."""
+    suffix = f"c/{shard}/0" if tensor.width is not None else f"c/{shard}"
+    return f"{array_node(part, tensor)}/{suffix}"
+
+
+def group_document(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
+
+
+def array_document(spec: StoreSpec, tensor: TensorSpec, num_tokens: int) -> dict[str, Any]:
+    """The zarr.json of one part's array holding ``num_tokens`` tokens (its shape grows as the writer commits)."""
+    row = [tensor.width] if tensor.width is not None else []
+    bytes_codec = {"name": "bytes", "configuration": {"endian": "little"}}
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": [num_tokens, *row],
+        "data_type": tensor.data_type,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [spec.shard_tokens, *row]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": 0,
+        "codecs": [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": [tensor.chunk_tokens, *row],
+                    "codecs": [bytes_codec, {"name": "crc32c"}],
+                    "index_codecs": [bytes_codec, {"name": "crc32c"}],
+                    "index_location": "end",
+                },
+            }
+        ],
+        "attributes": {SPEC_ATTRIBUTE: {"tensor": tensor.name, "logical_dtype": tensor.logical_dtype}},
+        "dimension_names": ["token", "feature"][: 1 + len(row)],
+    }
+
+
+def encode_json(document: dict[str, Any]) -> bytes:
+    return json.dumps(document, indent=2).encode()
+
+
+def load_spec(storage) -> StoreSpec:
+    """Read and check the root metadata; raise a clear error if ``storage`` holds no hsdata store."""
+    try:
+        raw = storage.read_bytes(ROOT_METADATA)
+    except FileNotFoundError:
+        raise NotAStoreError(f"{storage.url} is not an hsdata store: it has no {ROOT_METADATA}") from None
+    except IsADirectoryError:
+        raise NotAStoreError(f"{storage.url} is not an hsdata store: {ROOT_METADATA} is a directory") from None
+    try:
+        document = json.loads(raw)
+    except ValueError as e:
+        raise CorruptDataError(f"{storage.describe(ROOT_METADATA)} is not valid JSON: {e}") from None
+    if not isinstance(document, dict) or SPEC_ATTRIBUTE not in document.get("attributes", {}):
+        raise NotAStoreError(f"{storage.url} is not an hsdata store: its {ROOT_METADATA} has no "
+                             f"attributes.{SPEC_ATTRIBUTE}")
+    return StoreSpec.from_dict(document["attributes"][SPEC_ATTRIBUTE])

@@ -1,0 +1,204 @@
+"""The store's spec: what every sample holds and how it is chunked. Written once into the root ``zarr.json``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import SpecMismatchError, UnsupportedFormatError
+
+FORMAT_VERSION = 1
+LAYER_CONVENTION = "output_of_layer"  # id k = output of decoder layer k (0-based) = HF hidden_states[k + 1]
+FINAL_HIDDEN_STATE = "post_norm"  # the last layer's output after the model's final norm
+
+# Sizing targets (see docs/format.md, "Chunk and shard sizes", and benchmarks/RESULTS.md for the measurement).
+CHUNK_TARGET_BYTES = 2 << 20
+SHARD_TARGET_BYTES = 4 << 30
+MAX_SHARD_TOKENS = 1 << 20
+
+TENSOR_NAMES = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
+HIDDEN_TENSORS = ("aux_hidden_states", "hidden_states")
+MAX_INPUT_ID = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One per-token tensor, stored as a token-major zarr array ``[tokens]`` or ``[tokens, width]``."""
+
+    name: str
+    data_type: str  # zarr v3 data_type of the stored array
+    logical_dtype: str  # what the values mean ("bfloat16" is stored as its uint16 bit pattern)
+    width: int | None  # elements per token; None for a 1-D array
+    chunk_tokens: int  # tokens per inner (checksummed) chunk
+
+    @property
+    def itemsize(self) -> int:
+        return {"int32": 4, "uint8": 1, "uint16": 2}[self.data_type]
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.itemsize * (self.width or 1)
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return self.row_nbytes * self.chunk_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "data_type": self.data_type,
+            "logical_dtype": self.logical_dtype,
+            "width": self.width,
+            "chunk_tokens": self.chunk_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Model facts and layout of a store; equal specs mean writers may share the store."""
+
+    hidden_size: int
+    aux_layers: tuple[int, ...]
+    model: str | None
+    vocab_size: int | None
+    shard_tokens: int
+    tensors: tuple[TensorSpec, ...] = field(repr=False)
+    format_version: int = FORMAT_VERSION
+    layer_convention: str = LAYER_CONVENTION
+    final_hidden_state: str = FINAL_HIDDEN_STATE
+
+    @classmethod
+    def new(
+        cls,
+        hidden_size: int,
+        aux_layers: list[int] | tuple[int, ...],
+        model: str | None = None,
+        *,
+        vocab_size: int | None = None,
+        shard_tokens: int | None = None,
+        chunk_tokens: int | None = None,
+    ) -> StoreSpec:
+        """Build a spec, deriving chunk and shard sizes from the byte targets unless given."""
+        _check_positive_int("hidden_size", hidden_size)
+        aux = tuple(aux_layers)
+        if not aux or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in aux):
+            raise ValueError(f"aux_layers must be a non-empty list of layer ids >= 0, got {aux_layers!r}")
+        if len(set(aux)) != len(aux):
+            raise ValueError(f"aux_layers has repeated ids: {aux_layers!r}")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"model must be a string or None, got {model!r}")
+        if vocab_size is not None:
+            _check_positive_int("vocab_size", vocab_size)
+            if vocab_size > MAX_INPUT_ID + 1:
+                raise ValueError(f"vocab_size {vocab_size} does not fit int32 token ids")
+        widths = {
+            "input_ids": None,
+            "loss_mask": None,
+            "aux_hidden_states": len(aux) * hidden_size,
+            "hidden_states": hidden_size,
+        }
+        dtypes = {"input_ids": ("int32", "int32"), "loss_mask": ("uint8", "uint8")}
+        row_nbytes = {n: (w or 1) * {"input_ids": 4, "loss_mask": 1}.get(n, 2) for n, w in widths.items()}
+        if shard_tokens is None:
+            shard_tokens = min(MAX_SHARD_TOKENS, _pow2_floor(SHARD_TARGET_BYTES // max(row_nbytes.values())))
+        _check_positive_int("shard_tokens", shard_tokens)
+        tensors = []
+        for name, width in widths.items():
+            if name in HIDDEN_TENSORS and chunk_tokens is not None:
+                _check_positive_int("chunk_tokens", chunk_tokens)
+                if shard_tokens % chunk_tokens:
+                    raise ValueError(f"shard_tokens ({shard_tokens}) must be a multiple of chunk_tokens ({chunk_tokens})")
+                ct = chunk_tokens
+            else:
+                ct = min(shard_tokens, _pow2_floor(max(1, CHUNK_TARGET_BYTES // row_nbytes[name])))
+                while shard_tokens % ct:
+                    ct //= 2
+            data_type, logical = dtypes.get(name, ("uint16", "bfloat16"))
+            tensors.append(TensorSpec(name, data_type, logical, width, ct))
+        return cls(hidden_size, aux, model, vocab_size, shard_tokens, tuple(tensors))
+
+    def tensor(self, name: str) -> TensorSpec:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tensor named {name!r}; this store has {', '.join(TENSOR_NAMES)}")
+
+    @property
+    def token_nbytes(self) -> int:
+        """Payload bytes per token over all tensors."""
+        return sum(t.row_nbytes for t in self.tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "model": self.model,
+            "hidden_size": self.hidden_size,
+            "aux_layers": list(self.aux_layers),
+            "layer_convention": self.layer_convention,
+            "final_hidden_state": self.final_hidden_state,
+            "dtype": "bfloat16",
+            "vocab_size": self.vocab_size,
+            "shard_tokens": self.shard_tokens,
+            "tensors": {t.name: t.to_dict() for t in self.tensors},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> StoreSpec:
+        """Parse the root attributes strictly: the version first, then every field against what it implies."""
+        if not isinstance(d, dict):
+            raise UnsupportedFormatError(f"hsdata attributes must be a JSON object, got {type(d).__name__}")
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise UnsupportedFormatError(f"Unsupported hsdata format version {version!r}. Expected {FORMAT_VERSION}.")
+        expected_keys = set(cls.new(1, [0]).to_dict())
+        if set(d) != expected_keys:
+            missing, extra = sorted(expected_keys - set(d)), sorted(set(d) - expected_keys)
+            raise UnsupportedFormatError(f"hsdata attributes: missing keys {missing}, unknown keys {extra}")
+        for key, want in (("layer_convention", LAYER_CONVENTION), ("final_hidden_state", FINAL_HIDDEN_STATE),
+                          ("dtype", "bfloat16")):
+            if d[key] != want:
+                raise UnsupportedFormatError(f"hsdata attributes: {key} is {d[key]!r}, expected {want!r}")
+        try:
+            chunks = {n: d["tensors"][n]["chunk_tokens"] for n in TENSOR_NAMES}
+            spec = cls.new(d["hidden_size"], d["aux_layers"], d["model"], vocab_size=d["vocab_size"],
+                           shard_tokens=d["shard_tokens"], chunk_tokens=chunks["hidden_states"])
+            tensors = tuple(TensorSpec(t.name, t.data_type, t.logical_dtype, t.width, chunks[t.name]) for t in spec.tensors)
+        except (KeyError, TypeError, ValueError) as e:
+            raise UnsupportedFormatError(f"hsdata attributes are invalid: {e}") from None
+        spec = cls(spec.hidden_size, spec.aux_layers, spec.model, spec.vocab_size, spec.shard_tokens, tensors)
+        if spec.to_dict() != d:
+            raise UnsupportedFormatError(f"hsdata attributes are inconsistent: {d!r}")
+        for t in tensors:
+            _check_positive_int(f"tensors.{t.name}.chunk_tokens", t.chunk_tokens)
+            if spec.shard_tokens % t.chunk_tokens:
+                raise UnsupportedFormatError(f"tensor {t.name}: shard_tokens is not a multiple of chunk_tokens")
+        return spec
+
+    def check_joinable(self, requested: StoreSpec, *, explicit: set[str]) -> None:
+        """Raise unless a writer asking for ``requested`` may join a store with this spec.
+
+        Model facts must be equal; layout fields (shard/chunk sizes) only when the caller set them explicitly.
+        """
+        diffs = []
+        for f in ("hidden_size", "aux_layers", "model", "vocab_size"):
+            if getattr(self, f) != getattr(requested, f):
+                diffs.append(f"{f}: store has {getattr(self, f)!r}, requested {getattr(requested, f)!r}")
+        if "shard_tokens" in explicit and self.shard_tokens != requested.shard_tokens:
+            diffs.append(f"shard_tokens: store has {self.shard_tokens}, requested {requested.shard_tokens}")
+        if "chunk_tokens" in explicit:
+            have, want = self.tensor("hidden_states").chunk_tokens, requested.tensor("hidden_states").chunk_tokens
+            if have != want:
+                diffs.append(f"chunk_tokens: store has {have}, requested {want}")
+        if diffs:
+            raise SpecMismatchError("cannot join the existing store, its spec differs: " + "; ".join(diffs))
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+__all__ = ["FORMAT_VERSION", "StoreSpec", "TensorSpec", "TENSOR_NAMES"]

@@ -1,0 +1,199 @@
+"""Keys and bytes over fsspec, with atomic writes and a zero-copy local read path.
+
+Local paths get ``write to a hidden partial file, fsync, rename, fsync the directory`` and ``preadv`` straight
+into the caller's buffers. Other filesystems (object stores) get write-once objects: an object becomes
+visible only when its upload completes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import BinaryIO, Iterator, Sequence
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+MAX_OPEN_FILES = 256
+
+
+class Storage:
+    """A store's root: ``url`` plus fsspec ``storage_options``; every method takes keys relative to it."""
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        self.url = str(url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.root = self.root.rstrip("/")
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self._files = _FileCache() if self.is_local else None
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def describe(self, key: str) -> str:
+        """The key as a user-facing location (for error messages)."""
+        return f"{self.url.rstrip('/')}/{key}"
+
+    def read_bytes(self, key: str) -> bytes:
+        return self.fs.cat_file(self.path(key))
+
+    def exists(self, key: str) -> bool:
+        return self.fs.exists(self.path(key))
+
+    def list(self, prefix: str) -> list[str]:
+        """Names of the visible (not dot-hidden) files directly under ``prefix``; empty if it does not exist."""
+        try:
+            entries = self.fs.ls(self.path(prefix), detail=True)
+        except FileNotFoundError:
+            return []
+        names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "file"]
+        return sorted(n for n in names if not n.startswith("."))
+
+    def write_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> bool:
+        """Write a whole object atomically; with ``exclusive``, return False instead of replacing one."""
+        if exclusive and not self.is_local and self.exists(key):
+            return False
+        writer = self.open_writer(key)
+        try:
+            writer.write(data)
+            return writer.commit(exclusive=exclusive)
+        except BaseException:
+            writer.abort()
+            raise
+
+    def open_writer(self, key: str) -> AtomicWriter:
+        return _LocalAtomicWriter(self.path(key)) if self.is_local else _RemoteWriter(self.fs, self.path(key))
+
+    def size(self, key: str) -> int:
+        return self.fs.size(self.path(key))
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        return self.fs.cat_file(self.path(key), start=start, end=end)
+
+    def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
+        """Several ranges at once (concurrently on async filesystems)."""
+        return self.fs.cat_ranges([self.path(k) for k in keys], list(starts), list(ends))
+
+    def pread_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        """Local only: one ``preadv`` filling ``buffers`` from ``offset``; returns the bytes read."""
+        with self._files.use(self.path(key)) as fd:
+            return os.preadv(fd, buffers, offset)
+
+    def close(self) -> None:
+        if self._files is not None:
+            self._files.close()
+
+
+class AtomicWriter:
+    """A file being written; invisible at its key until ``commit``."""
+
+    def write(self, data) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def commit(self, *, exclusive: bool = False) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def abort(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class _LocalAtomicWriter(AtomicWriter):
+    def __init__(self, path: str):
+        self.path = path
+        directory, name = os.path.split(path)
+        os.makedirs(directory, exist_ok=True)
+        self._partial = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.partial")
+        self._file: BinaryIO = open(self._partial, "wb", buffering=1 << 20)
+        self.write = self._file.write
+
+    def commit(self, *, exclusive: bool = False) -> bool:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        if exclusive:
+            try:
+                os.link(self._partial, self.path)  # fails if the target exists: an atomic create-if-absent
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(self._partial)
+        else:
+            os.replace(self._partial, self.path)
+        _fsync_dir(os.path.dirname(self.path))
+        return True
+
+    def abort(self) -> None:
+        self._file.close()
+        try:
+            os.unlink(self._partial)
+        except FileNotFoundError:
+            pass
+
+
+class _RemoteWriter(AtomicWriter):
+    def __init__(self, fs, path: str):
+        self._file = fs.open(path, "wb")
+        self.write = self._file.write
+
+    def commit(self, *, exclusive: bool = False) -> bool:
+        self._file.close()
+        return True
+
+    def abort(self) -> None:
+        discard = getattr(self._file, "discard", None)
+        if discard is not None:
+            discard()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _FileCache:
+    """Read-only file descriptors kept open across reads; idle ones beyond the limit are closed (LRU).
+
+    A descriptor is never closed while a read uses it. A forked child drops the parent's table (and lock).
+    """
+
+    def __init__(self):
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._fds: OrderedDict[str, list[int]] = OrderedDict()  # path -> [fd, readers using it]
+        self._pid = os.getpid()
+
+    @contextmanager
+    def use(self, path: str) -> Iterator[int]:
+        if self._pid != os.getpid():
+            for fd, _ in self._fds.values():
+                os.close(fd)  # the child's copies; the parent's stay open
+            self._reset()
+        with self._lock:
+            entry = self._fds.get(path)
+            if entry is None:
+                entry = self._fds[path] = [os.open(path, os.O_RDONLY), 0]
+            self._fds.move_to_end(path)
+            entry[1] += 1
+        try:
+            yield entry[0]
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                idle = [p for p, (_, users) in self._fds.items() if users == 0]
+                for p in idle[: max(0, len(self._fds) - MAX_OPEN_FILES)]:
+                    os.close(self._fds.pop(p)[0])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                for fd, _ in self._fds.values():
+                    os.close(fd)
+            self._fds.clear()

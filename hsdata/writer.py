@@ -1,0 +1,287 @@
+"""The streaming writer: ``hsdata.create`` returns a :class:`Writer` that owns one new part of the store.
+
+``add`` validates on the caller's thread and hands the arrays (not copies) to a background thread through a
+queue bounded in bytes; that thread streams them into shard files and commits a manifest each time a shard is
+finished, on ``flush()`` and on ``close()``. Nothing becomes visible before its manifest is written.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import uuid
+from concurrent.futures import Future
+from datetime import datetime, timezone
+from typing import Any
+
+from . import inputs, manifest
+from .errors import DuplicateSampleError, WriterError
+from .layout import (MANIFESTS, PART_ATTRIBUTE, PARTS, ROOT_METADATA, SPEC_ATTRIBUTE, array_document, array_node,
+                     encode_json, group_document, load_spec, metadata_key, part_node, shard_key)
+from .shard import ShardEncoder
+from .spec import StoreSpec
+from .storage import Storage
+
+DEFAULT_MAX_PENDING_BYTES = 1 << 30
+
+
+def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None = None, *,
+           vocab_size: int | None = None, shard_tokens: int | None = None, chunk_tokens: int | None = None,
+           storage_options: dict | None = None, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> Writer:
+    """Create a store at ``url`` (any fsspec URL), or join an existing one with the same spec as a new writer.
+
+    ``aux_layers`` are "output of layer k" ids (HF ``hidden_states[k + 1]``). Joining a store whose model facts
+    differ raises :class:`SpecMismatchError`; layout sizes left as None are taken from the store.
+    """
+    requested = StoreSpec.new(hidden_size, aux_layers, model, vocab_size=vocab_size, shard_tokens=shard_tokens,
+                              chunk_tokens=chunk_tokens)
+    storage = Storage(url, storage_options)
+    if not storage.exists(ROOT_METADATA):
+        root = group_document({SPEC_ATTRIBUTE: requested.to_dict()})
+        storage.write_bytes(ROOT_METADATA, encode_json(root), exclusive=True)  # a concurrent creator may win
+    spec = load_spec(storage)
+    explicit = {name for name, value in (("shard_tokens", shard_tokens), ("chunk_tokens", chunk_tokens)) if value}
+    spec.check_joinable(requested, explicit=explicit)
+    committed = manifest.load(storage).column("sample_id").to_pylist()
+    return Writer(storage, spec, committed_ids=committed, max_pending_bytes=max_pending_bytes)
+
+
+class Writer:
+    """Adds samples to one part of a store. Use as a context manager, or call ``close()``."""
+
+    def __init__(self, storage: Storage, spec: StoreSpec, *, committed_ids: list[str], max_pending_bytes: int):
+        if max_pending_bytes <= 0:
+            raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
+        self.spec = spec
+        self.part = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+        self._ids = set(committed_ids)
+        self._queue = _PendingQueue(max_pending_bytes)
+        self._part = _PartWriter(storage, spec, self.part)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"hsdata-writer-{self.part}", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return self._part.storage.url
+
+    @property
+    def num_committed(self) -> int:
+        """Samples this writer has committed so far."""
+        return self._part.num_committed
+
+    def __contains__(self, sample_id: str) -> bool:
+        """True if ``sample_id`` is committed in the store or was added to this writer."""
+        return sample_id in self._ids
+
+    def add(self, sample_id: str, *, input_ids: Any, loss_mask: Any, aux_hidden_states: Any, hidden_states: Any,
+            meta: dict | None = None) -> None:
+        """Queue one sample. Arrays are kept by reference until written: do not modify them afterwards.
+
+        ``input_ids`` [T] ints, ``loss_mask`` [T] 0/1, ``aux_hidden_states`` [T, K*H] (or [T, K, H]) bfloat16,
+        ``hidden_states`` [T, H] bfloat16 (post-norm), ``meta`` any JSON-serializable dict.
+        """
+        self._check_open()
+        sample = inputs.prepare(self.spec, sample_id, input_ids=input_ids, loss_mask=loss_mask,
+                                aux_hidden_states=aux_hidden_states, hidden_states=hidden_states, meta=meta)
+        if sample_id in self._ids:
+            raise DuplicateSampleError(f"sample {sample_id!r}: already in this store (committed or added earlier)")
+        self._ids.add(sample_id)
+        self._queue.put(("sample", sample), sample.nbytes)
+
+    def flush(self) -> None:
+        """Commit every sample added so far; returns once their manifest is durable."""
+        self._check_open()
+        self._request("flush")
+
+    def close(self) -> None:
+        """Commit everything and stop the background thread. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._request("close")
+            self._thread.join()
+
+    def abort(self) -> None:
+        """Stop without committing what is not yet committed; its partial files stay for ``hsdata gc``."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self._request("abort")
+            except WriterError:
+                pass
+            self._thread.join()
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WriterError(f"writer of part {self.part} is closed")
+        self._queue.raise_if_failed()
+
+    def _request(self, what: str) -> None:
+        done: Future = Future()
+        self._queue.put((what, done), 0)
+        try:
+            done.result()
+        except WriterError:
+            raise
+        except BaseException as e:
+            raise WriterError(f"writing part {self.part} of {self.url} failed: {e}") from e
+
+    def _run(self) -> None:
+        request = None
+        try:
+            while True:
+                (kind, payload), nbytes = self._queue.get()
+                if kind == "sample":
+                    self._part.append(payload)
+                    self._queue.release(nbytes)
+                    continue
+                request = payload
+                if kind == "abort":
+                    self._part.abort()
+                else:
+                    self._part.flush()
+                request.set_result(None)
+                if kind != "flush":
+                    return
+                request = None
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the queue
+            self._part.abort()
+            self._queue.fail(e)
+            if request is not None:
+                request.set_exception(e)
+
+
+class _PendingQueue:
+    """FIFO between ``add`` and the writer thread, holding at most ``max_bytes`` of sample data (a larger
+    sample is admitted alone). A failure wakes every waiter and fails every queued request."""
+
+    def __init__(self, max_bytes: int):
+        self._cond = threading.Condition()
+        self._items: collections.deque = collections.deque()
+        self._bytes = 0
+        self._max = max_bytes
+        self._error: BaseException | None = None
+
+    def put(self, item: tuple, nbytes: int) -> None:
+        with self._cond:
+            while self._error is None and self._bytes and self._bytes + nbytes > self._max:
+                self._cond.wait()
+            self.raise_if_failed()
+            self._items.append((item, nbytes))
+            self._bytes += nbytes
+            self._cond.notify_all()
+
+    def get(self) -> tuple:
+        with self._cond:
+            while not self._items:
+                self._cond.wait()
+            return self._items.popleft()
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self._bytes -= nbytes
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            for (kind, payload), _ in self._items:
+                if kind != "sample":
+                    payload.set_exception(error)
+            self._items.clear()
+            self._cond.notify_all()
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise WriterError(f"the writer's background I/O failed: {self._error!r}") from self._error
+
+
+class _PartWriter:
+    """Background-thread state of one part: the open shard, samples written but not committed, commits."""
+
+    def __init__(self, storage: Storage, spec: StoreSpec, part: str):
+        self.storage = storage
+        self.spec = spec
+        self.part = part
+        self.num_committed = 0
+        self._next_token = 0  # where the next sample starts in this part's arrays
+        self._shard: int | None = None  # the shard being written
+        self._files: dict[str, tuple] = {}  # tensor -> (AtomicWriter, ShardEncoder) of the open shard
+        self._uncommitted: list[manifest.Row] = []
+        self._seq = 0
+        self._array_tokens = 0  # shape last written to the arrays' zarr.json
+
+    def append(self, sample: inputs.Sample) -> None:
+        start, total, shard_tokens = self._next_token, sample.num_tokens, self.spec.shard_tokens
+        hashes = {name: manifest.content_hash(array) for name, array in sample.arrays.items()}
+        self._uncommitted.append(manifest.Row(sample.sample_id, self.part, start, total, hashes, sample.meta,
+                                              manifest.now()))
+        done = 0
+        while done < total:
+            position = start + done
+            shard = position // shard_tokens
+            if self._shard is None:
+                self._open_shard(shard)
+            count = min(total - done, (shard + 1) * shard_tokens - position)
+            for name, array in sample.arrays.items():
+                self._files[name][1].write(memoryview(array[done : done + count]))
+            done += count
+            self._next_token = position + count
+            if self._next_token % shard_tokens == 0:
+                self._close_shard()
+                self._commit()
+
+    def flush(self) -> None:
+        """Close the open shard, even if partly filled (the next sample starts in a new shard), and commit."""
+        if self._shard is not None:
+            self._next_token = (self._shard + 1) * self.spec.shard_tokens
+            self._close_shard()
+        self._commit()
+
+    def abort(self) -> None:
+        for writer, _ in self._files.values():
+            writer.abort()
+        self._files.clear()
+        self._shard = None
+
+    def _open_shard(self, shard: int) -> None:
+        for tensor in self.spec.tensors:
+            writer = self.storage.open_writer(shard_key(self.part, tensor, shard))
+            self._files[tensor.name] = (writer, ShardEncoder(writer, self.spec, tensor))
+        self._shard = shard
+
+    def _close_shard(self) -> None:
+        for writer, encoder in self._files.values():
+            encoder.finish()
+            writer.commit()
+        self._files.clear()
+        self._shard = None
+
+    def _commit(self) -> None:
+        """Make every sample that lies in closed shards visible: array metadata first, the manifest last."""
+        complete = [r for r in self._uncommitted if r.token_offset + r.num_tokens <= self._next_token]
+        if not complete:
+            return
+        if self._seq == 0:
+            self.storage.write_bytes(metadata_key(PARTS), encode_json(group_document()))
+            info = {PART_ATTRIBUTE: {"created": manifest.now().isoformat(), "manifests": MANIFESTS}}
+            self.storage.write_bytes(metadata_key(part_node(self.part)), encode_json(group_document(info)))
+        tokens = max(r.token_offset + r.num_tokens for r in complete)
+        if tokens > self._array_tokens:
+            for tensor in self.spec.tensors:
+                document = array_document(self.spec, tensor, tokens)
+                self.storage.write_bytes(metadata_key(array_node(self.part, tensor)), encode_json(document))
+            self._array_tokens = tokens
+        manifest.write(self.storage, self.part, self._seq, complete)
+        self._seq += 1
+        self.num_committed += len(complete)
+        self._uncommitted = self._uncommitted[len(complete) :]

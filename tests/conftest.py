@@ -1,0 +1,55 @@
+"""Shared helpers: random samples of a small spec and exact comparisons."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hsdata
+
+HIDDEN = 32
+AUX = [1, 4, 6]
+SPEC = dict(hidden_size=HIDDEN, aux_layers=AUX, model="test/tiny-llama")
+SMALL_LAYOUT = dict(shard_tokens=256, chunk_tokens=16)  # many shards and chunks from few tokens
+
+
+def make_sample(num_tokens: int, seed: int, hidden: int = HIDDEN, layers: int = len(AUX)) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, 150_000, (num_tokens,), generator=g),
+        "loss_mask": torch.randint(0, 2, (num_tokens,), generator=g),
+        "aux_hidden_states": torch.randn(num_tokens, layers * hidden, generator=g).to(torch.bfloat16),
+        "hidden_states": torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16),
+    }
+
+
+def assert_same(got: dict, want: dict) -> None:
+    """Bit-exact equality of every tensor in ``want`` (bf16 compared by bit pattern, so NaN == NaN)."""
+    for name, expected in want.items():
+        actual = got[name]
+        assert actual.shape == expected.shape, name
+        if expected.dtype == torch.bfloat16:
+            assert actual.dtype == torch.bfloat16, name
+            assert torch.equal(actual.view(torch.int16), expected.view(torch.int16)), name
+        else:
+            assert torch.equal(actual.to(torch.int64), expected.to(torch.int64)), name
+    assert got["input_ids"].dtype == torch.int64 if "input_ids" in got else True
+
+
+def write_store(path, samples: dict[str, dict], **layout) -> None:
+    with hsdata.create(str(path), **SPEC, **(layout or SMALL_LAYOUT)) as w:
+        for sample_id, sample in samples.items():
+            w.add(sample_id, **sample)
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def ragged_samples():
+    rng = np.random.default_rng(0)
+    lengths = [1, 2, 15, 16, 17, 255, 256, 257, 700] + rng.integers(1, 300, 40).tolist()
+    return {f"sample-{i:06d}": make_sample(int(n), seed=i) for i, n in enumerate(lengths)}
