@@ -207,12 +207,14 @@ def _check_fields(fields: Iterable[str] | None) -> tuple[str, ...]:
 
 
 def _drop_duplicates(rows: pa.Table, url: str) -> pa.Table:
-    """Keep the first row of each sample id (manifest order); duplicates come from writers racing on one id."""
+    """Keep one row per sample id, the earliest committed; duplicates come from writers racing on one id."""
     ids = rows.column("sample_id")
     if pc.count_distinct(ids).as_py() == len(ids):
         return rows
-    first = pa.table({"id": ids, "i": np.arange(len(ids))}).group_by("id", use_threads=False).aggregate([("i", "min")])
-    keep = np.sort(first.column("i_min").to_numpy())
-    warnings.warn(f"{url}: {len(ids) - len(keep)} duplicate sample rows ignored (first commit wins); "
-                  "run `hsdata validate` for details", stacklevel=3)
+    created = rows.column("created").cast(pa.int64()).to_numpy()
+    by_time = np.lexsort((np.arange(len(ids)), created))
+    _, first = np.unique(ids.to_numpy(zero_copy_only=False)[by_time], return_index=True)
+    keep = np.sort(by_time[first])
+    warnings.warn(f"{url}: {len(ids) - len(keep)} duplicate sample rows ignored (the earliest commit of each id "
+                  "wins); run `hsdata validate` for details", stacklevel=3)
     return rows.take(keep)

@@ -150,3 +150,16 @@ def test_open_time_reads_no_payload(store_path, ragged_samples, monkeypatch):
     hsdata.open(str(store_path))
     assert any("/manifests/" in f for f in opened)
     assert not [f for f in opened if "/c/" in f]
+
+
+def test_racing_writers_adding_one_id_keep_the_first_commit(store_path):
+    a, b = make_sample(10, 1), make_sample(12, 2)
+    with hsdata.create(str(store_path), **SPEC) as first, hsdata.create(str(store_path), **SPEC) as second:
+        first.add("same", **a)
+        first.flush()
+        second.add("same", **b)  # joined before the first commit, so it cannot know: both commit
+    with pytest.warns(UserWarning, match="1 duplicate sample rows ignored"):
+        store = hsdata.open(str(store_path))
+    assert store.sample_ids == ["same"]
+    assert store.location(0)[0] == first.part
+    assert_same(store[0], a)
