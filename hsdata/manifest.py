@@ -42,8 +42,13 @@ SCHEMA = pa.schema(
 
 
 def content_hash(data) -> int:
-    """The per-sample hash of a tensor: xxh3-64 of its stored bytes (little-endian, C order)."""
+    """The per-sample hash of a tensor: xxh3-64 (seed 0) of its stored bytes (little-endian, C order)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def content_hasher() -> xxhash.xxh3_64:
+    """A streaming form of :func:`content_hash`: ``update`` with the bytes in order, then ``intdigest()``."""
+    return xxhash.xxh3_64()
 
 
 @dataclass(frozen=True)

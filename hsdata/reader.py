@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -14,31 +15,42 @@ import torch
 from . import manifest
 from .errors import CorruptDataError
 from .layout import load_spec, shard_key
-from .shard import CRC_NBYTES, token_ranges
+from .shard import CRC_NBYTES, ShardRange, token_ranges
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
 from .storage import Storage
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+DEFAULT_IO_THREADS = 2
+DEFAULT_RANGE_BYTES = 8 << 20
+INLINE_READ_BYTES = 1 << 20  # smaller samples are read on the calling thread
 _TORCH_DTYPES = {"int32": torch.int32, "uint8": torch.uint8, "uint16": torch.bfloat16}
 
 
-def open(url: str, *, storage_options: dict | None = None, verify: bool = True) -> Store:  # noqa: A001
+def open(url: str, *, storage_options: dict | None = None, verify: bool = True, io_threads: int = DEFAULT_IO_THREADS,
+         range_bytes: int = DEFAULT_RANGE_BYTES) -> Store:  # noqa: A001
     """Open the store at ``url`` (any fsspec URL) for reading. Reads metadata and manifests only.
 
     With ``verify`` (the default) every tensor read is checked against its per-sample xxh3 from the manifest,
-    so a corrupt or misplaced byte raises :class:`CorruptDataError` instead of reaching training.
+    so a corrupt or misplaced byte raises :class:`CorruptDataError` instead of reaching training. A sample's
+    bytes are read as ranges of about ``range_bytes``, up to ``io_threads`` at a time.
     """
     storage = Storage(url, storage_options)
-    return Store(storage, load_spec(storage), manifest.load(storage), verify=verify)
+    return Store(storage, load_spec(storage), manifest.load(storage), verify=verify, io_threads=io_threads,
+                 range_bytes=range_bytes)
 
 
 class Store:
     """A read-only view of the samples committed when the store was opened."""
 
-    def __init__(self, storage: Storage, spec: StoreSpec, rows: pa.Table, *, verify: bool = True):
+    def __init__(self, storage: Storage, spec: StoreSpec, rows: pa.Table, *, verify: bool = True,
+                 io_threads: int = DEFAULT_IO_THREADS, range_bytes: int = DEFAULT_RANGE_BYTES):
+        if io_threads < 1 or range_bytes < 1:
+            raise ValueError(f"io_threads and range_bytes must be positive, got {io_threads} and {range_bytes}")
         self.spec = spec
         self.verify = verify
         self._storage = storage
+        self._pool = _ThreadPool(io_threads)
+        self._range_bytes = range_bytes
         self.manifest = _drop_duplicates(rows, storage.url)
         self._ids: list[str] = self.manifest.column("sample_id").to_pylist()
         self._index: dict[str, int] | None = None
@@ -97,18 +109,33 @@ class Store:
         """Sample ``i`` as a dict of torch tensors: ``input_ids`` int64 [T], ``loss_mask`` uint8 [T],
         ``aux_hidden_states`` bfloat16 [T, K*H], ``hidden_states`` bfloat16 [T, H]; ``fields`` picks a subset."""
         i = self._position(i)
-        names = _check_fields(fields)
-        buffers = {name: np.empty(int(self.lengths[i]) * self.spec.tensor(name).row_nbytes, np.uint8) for name in names}
-        self._fill(i, buffers)
+        part, offset, length = self.location(i)
+        tensors = [self.spec.tensor(name) for name in _check_fields(fields)]
+        buffers = [np.empty(length * t.row_nbytes, np.uint8) for t in tensors]
+        reads = []  # (tensor position, key, range, destination), in byte order of each tensor
+        for k, (tensor, buf) in enumerate(zip(tensors, buffers)):
+            start = 0
+            for whole in token_ranges(self.spec, tensor, offset, length):
+                for r in whole.split(self._range_bytes):
+                    reads.append((k, shard_key(part, tensor, r.shard), r, memoryview(buf)[start : start + r.nbytes]))
+                    start += r.nbytes
+        hashers = [manifest.content_hasher() for _ in tensors]
+        try:
+            for (k, _, _, destination), _ in zip(reads, self._fetch(reads)):
+                if self.verify:  # overlaps with the reads still in flight
+                    hashers[k].update(destination)
+        except FileNotFoundError as e:
+            raise CorruptDataError(f"sample {self._ids[i]!r}: shard file missing: {e.filename or e}") from None
+        except CorruptDataError as e:
+            raise CorruptDataError(f"sample {self._ids[i]!r}: {e}") from None
         out: dict[str, Any] = {"sample_id": self._ids[i]}
-        for name, buf in buffers.items():
-            tensor = self.spec.tensor(name)
+        for tensor, buf, hasher in zip(tensors, buffers, hashers):
             if self.verify:
-                self._check_hash(i, tensor, buf)
+                self._check_hash(i, tensor, hasher.intdigest())
             value = torch.from_numpy(buf).view(_TORCH_DTYPES[tensor.data_type])
             if tensor.width is not None:
                 value = value.view(-1, tensor.width)
-            out[name] = value.to(torch.int64) if name == "input_ids" else value
+            out[tensor.name] = value.to(torch.int64) if tensor.name == "input_ids" else value
         return out
 
     def location(self, i: int) -> tuple[str, int, int]:
@@ -117,6 +144,7 @@ class Store:
         return self._part_names[self._part_of[i]], int(self._offsets[i]), int(self.lengths[i])
 
     def close(self) -> None:
+        self._pool.shutdown()
         self._storage.close()
 
     def __enter__(self) -> Store:
@@ -133,48 +161,48 @@ class Store:
             raise IndexError(f"sample index {i} out of range for a store of {n} samples")
         return int(i) % n
 
-    def _fill(self, i: int, buffers: dict[str, np.ndarray]) -> None:
-        """Read the exact byte ranges of sample ``i`` into ``buffers`` (one range per tensor and shard)."""
-        part, offset, length = self.location(i)
-        plan = []  # (key, file_start, file_end, [memoryview per piece])
-        for name, buf in buffers.items():
-            tensor = self.spec.tensor(name)
-            view, pos = memoryview(buf), 0
-            for r in token_ranges(self.spec, tensor, offset, length):
-                pieces = []
-                for size in r.pieces:
-                    pieces.append(view[pos : pos + size])
-                    pos += size
-                plan.append((shard_key(part, tensor, r.shard), r.file_start, r.file_end, pieces))
-        try:
-            if self._storage.is_local:
-                for key, start, end, pieces in plan:
-                    self._pread(key, start, end, pieces)
-            else:
-                keys, starts, ends, _ = zip(*plan)
-                for (key, start, end, pieces), data in zip(plan, self._storage.read_ranges(keys, starts, ends)):
-                    _scatter(data, pieces, self._where(i, key, start, end))
-        except FileNotFoundError as e:
-            raise CorruptDataError(f"sample {self._ids[i]!r}: shard file missing: {e.filename or e}") from None
+    def _fetch(self, reads: list) -> Iterator[None]:
+        """Fill the destinations of ``reads``, yielding once per read as each completes, in order.
 
-    def _pread(self, key: str, start: int, end: int, pieces: Sequence[memoryview]) -> None:
+        Locally each range is one ``preadv`` on the I/O threads (small samples on the caller's thread);
+        elsewhere all ranges are fetched concurrently by fsspec.
+        """
+        if not self._storage.is_local:
+            keys = [key for _, key, _, _ in reads]
+            starts, ends = [r.file_start for _, _, r, _ in reads], [r.file_end for _, _, r, _ in reads]
+            for (_, key, r, destination), data in zip(reads, self._storage.read_ranges(keys, starts, ends)):
+                _scatter(data, r, destination, self._where(key, r))
+                yield
+        elif len(reads) == 1 or sum(r.nbytes for _, _, r, _ in reads) < INLINE_READ_BYTES:
+            for _, key, r, destination in reads:
+                self._pread(key, r, destination)
+                yield
+        else:
+            futures = [self._pool.submit(self._pread, key, r, destination) for _, key, r, destination in reads]
+            try:
+                for future in futures:
+                    future.result()
+                    yield
+            finally:
+                for future in futures:
+                    future.cancel()
+
+    def _pread(self, key: str, r: ShardRange, destination: memoryview) -> None:
         crc = bytearray(CRC_NBYTES)  # checksums between chunks are skipped; validate checks them
-        iov = [pieces[0]]
-        for piece in pieces[1:]:
-            iov += (crc, piece)
-        position = start
-        for batch_start in range(0, len(iov), IOV_MAX):
-            batch = iov[batch_start : batch_start + IOV_MAX]
+        iov = []
+        for piece in _pieces(r, destination):
+            iov += (crc, piece) if iov else (piece,)
+        position = r.file_start
+        for first in range(0, len(iov), IOV_MAX):
+            batch = iov[first : first + IOV_MAX]
             want = sum(len(b) for b in batch)
             got = self._storage.pread_into(key, position, batch)
             if got != want:
-                raise CorruptDataError(f"{self._storage.describe(key)}: truncated, read {got} of {want} bytes at "
-                                       f"offset {position} (wanted bytes [{start}, {end}))")
+                raise CorruptDataError(f"{self._where(key, r)}: truncated, read {got} of {want} bytes at {position}")
             position += got
 
-    def _check_hash(self, i: int, tensor: TensorSpec, buf: np.ndarray) -> None:
+    def _check_hash(self, i: int, tensor: TensorSpec, computed: int) -> None:
         stored = int(self._hashes[tensor.name][i])
-        computed = manifest.content_hash(buf)
         if computed != stored:
             part, offset, length = self.location(i)
             raise CorruptDataError(
@@ -182,18 +210,44 @@ class Store:
                 f"[{offset}, {offset + length}), xxh3 stored {stored:016x}, computed {computed:016x}); "
                 f"the store is corrupt: run `hsdata validate {self.url}`")
 
-    def _where(self, i: int, key: str, start: int, end: int) -> str:
-        return f"sample {self._ids[i]!r}: {self._storage.describe(key)} bytes [{start}, {end})"
+    def _where(self, key: str, r: ShardRange) -> str:
+        return f"{self._storage.describe(key)} bytes [{r.file_start}, {r.file_end})"
 
 
-def _scatter(data: bytes, pieces: Sequence[memoryview], where: str) -> None:
-    expected = sum(len(p) for p in pieces) + CRC_NBYTES * (len(pieces) - 1)
-    if len(data) != expected:
-        raise CorruptDataError(f"{where}: got {len(data)} bytes, expected {expected} (truncated shard?)")
-    src, pos = memoryview(data), 0
-    for piece in pieces:
-        piece[:] = src[pos : pos + len(piece)]
-        pos += len(piece) + CRC_NBYTES
+class _ThreadPool:
+    """I/O threads, created on first use and again in a forked child."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._executor: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        if self._executor is None or self._pid != os.getpid():
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="hsdata-read")
+            self._pid = os.getpid()
+        return self._executor.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        if self._executor is not None and self._pid == os.getpid():
+            self._executor.shutdown()
+        self._executor = None
+
+
+def _pieces(r: ShardRange, destination: memoryview) -> Iterator[memoryview]:
+    """Split a range's destination into the payload piece of each chunk it touches."""
+    for size in r.pieces:
+        yield destination[:size]
+        destination = destination[size:]
+
+
+def _scatter(data: bytes, r: ShardRange, destination: memoryview, where: str) -> None:
+    if len(data) != r.file_end - r.file_start:
+        raise CorruptDataError(f"{where}: got {len(data)} bytes, expected {r.file_end - r.file_start} (truncated?)")
+    source = memoryview(data)
+    for piece in _pieces(r, destination):
+        piece[:] = source[: len(piece)]
+        source = source[len(piece) + CRC_NBYTES :]
 
 
 def _check_fields(fields: Iterable[str] | None) -> tuple[str, ...]:

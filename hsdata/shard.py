@@ -108,6 +108,17 @@ class ShardRange:
     def file_end(self) -> int:
         return self.file_start + self.nbytes + CRC_NBYTES * (len(self.pieces) - 1)
 
+    def split(self, max_bytes: int) -> list[ShardRange]:
+        """Cut at chunk boundaries into ranges of about ``max_bytes`` (one chunk more than that at most)."""
+        out, start, first, size = [], self.file_start, 0, 0
+        for k, piece in enumerate(self.pieces):
+            size += piece
+            if size >= max_bytes or k == len(self.pieces) - 1:
+                out.append(ShardRange(self.shard, start, self.pieces[first : k + 1]))
+                start += size + CRC_NBYTES * (k + 1 - first)
+                first, size = k + 1, 0
+        return out
+
 
 def token_ranges(spec: StoreSpec, tensor: TensorSpec, token_offset: int, num_tokens: int) -> list[ShardRange]:
     """The byte ranges holding tokens ``[token_offset, token_offset + num_tokens)`` of one part's array."""
