@@ -33,6 +33,8 @@ def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None 
     ``aux_layers`` are "output of layer k" ids (HF ``hidden_states[k + 1]``). Joining a store whose model facts
     differ raises :class:`SpecMismatchError`; layout sizes left as None are taken from the store.
     """
+    if max_pending_bytes <= 0:
+        raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
     requested = StoreSpec.new(hidden_size, aux_layers, model, vocab_size=vocab_size, shard_tokens=shard_tokens,
                               chunk_tokens=chunk_tokens)
     storage = Storage(url, storage_options)
@@ -50,8 +52,6 @@ class Writer:
     """Adds samples to one part of a store. Use as a context manager, or call ``close()``."""
 
     def __init__(self, storage: Storage, spec: StoreSpec, *, committed_ids: list[str], max_pending_bytes: int):
-        if max_pending_bytes <= 0:
-            raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
         self.spec = spec
         self.part = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
         self._ids = set(committed_ids)

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Create .venv and install hsdata with its test dependencies. Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch is pinned to the release SGLang 0.5.23's modules import with (server_hook tests); an unpinned torch
+# may pull several GB of CUDA wheels.
+.venv/bin/python -m pip install -q "torch==2.14.1"
+.venv/bin/python -m pip install -q -e ".[test]"
