@@ -12,7 +12,7 @@ LAYER_CONVENTION = "output_of_layer"  # id k = output of decoder layer k (0-base
 FINAL_HIDDEN_STATE = "post_norm"  # the last layer's output after the model's final norm
 
 # Sizing targets (see docs/format.md, "Chunk and shard sizes", and benchmarks/RESULTS.md for the measurement).
-CHUNK_TARGET_BYTES = 2 << 20
+CHUNK_TARGET_BYTES = 4 << 20
 SHARD_TARGET_BYTES = 4 << 30
 MAX_SHARD_TOKENS = 1 << 20
 
