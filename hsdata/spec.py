@@ -11,7 +11,7 @@ FORMAT_VERSION = 1
 LAYER_CONVENTION = "output_of_layer"  # id k = output of decoder layer k (0-based) = HF hidden_states[k + 1]
 FINAL_HIDDEN_STATE = "post_norm"  # the last layer's output after the model's final norm
 
-# Sizing targets (see docs/format.md, "Chunk and shard sizes", and benchmarks/RESULTS.md for the measurement).
+# Sizing targets: docs/format.md section 9; the measurement behind them is in benchmarks/RESULTS.md.
 CHUNK_TARGET_BYTES = 4 << 20
 SHARD_TARGET_BYTES = 4 << 30
 MAX_SHARD_TOKENS = 1 << 20
