@@ -5,11 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
+import time
+from datetime import datetime
 
 import numpy as np
+from tqdm import tqdm
 
 from .errors import HsdataError
 from .reader import Store, open as open_store
+from .storage import Storage
+from .validate import leftovers, validate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,12 +25,44 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("store", help="path or fsspec URL of the store")
     info.add_argument("--json", action="store_true", help="print one JSON document")
     _add_storage_options(info)
+
+    check = commands.add_parser("validate", help="audit metadata, manifests and every checksum; exit 1 on problems")
+    check.add_argument("store", help="path or fsspec URL of the store")
+    check.add_argument("--json", action="store_true", help="print the report as one JSON document")
+    check.add_argument("--workers", type=_positive_int, default=4, help="tensor streams checked at once (4)")
+    check.add_argument("--sample", type=_sample_size, metavar="N|FRACTION",
+                       help="check N random samples, or this fraction of them, instead of all")
+    check.add_argument("--seed", type=int, default=0, help="seed of --sample (0)")
+    check.add_argument("--check-finite", action="store_true", help="also flag samples holding NaN or Inf")
+    _add_storage_options(check)
+
+    gc = commands.add_parser("gc", help="list (and with --yes delete) what crashed writers left uncommitted")
+    gc.add_argument("store", help="path or fsspec URL of the store")
+    gc.add_argument("--yes", action="store_true", help="delete the listed files")
+    gc.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
+                    help="only files not modified for this long, so live writers keep theirs (3600)")
+    _add_storage_options(gc)
+
     args = parser.parse_args(argv)
     try:
-        return {"info": _info}[args.command](args)
+        return {"info": _info, "validate": _validate, "gc": _gc}[args.command](args)
     except (HsdataError, OSError, ValueError) as e:
         print(f"hsdata {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _sample_size(text: str) -> float:
+    value = float(text)
+    if value <= 0 or (value > 1 and not value.is_integer()):
+        raise argparse.ArgumentTypeError(f"expects a count >= 1 or a fraction in (0, 1), got {text}")
+    return value
 
 
 def _add_storage_options(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +122,76 @@ def _info(args: argparse.Namespace) -> int:
     print(f"length      min {length['min']:.0f}  p50 {length['p50']:.0f}  p90 {length['p90']:.0f}  "
           f"p99 {length['p99']:.0f}  max {length['max']:.0f}  mean {length['mean']:.1f}")
     return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    options = _storage_options(args.storage_option)
+    bar = tqdm(total=0, unit="B", unit_scale=True, desc="validate", disable=None, file=sys.stderr)
+    lock = threading.Lock()
+
+    def progress(n: int) -> None:
+        with lock:
+            bar.update(n)
+
+    def on_total(n: int) -> None:
+        bar.total = n
+        bar.refresh()
+
+    started = time.perf_counter()
+    report = validate(args.store, storage_options=options, workers=args.workers, sample=args.sample,
+                      check_finite=args.check_finite, seed=args.seed, progress=progress, on_total=on_total)
+    bar.close()
+    seconds = time.perf_counter() - started
+    if args.json:
+        print(json.dumps({**report.to_dict(), "seconds": seconds}, indent=2))
+        return 0 if report.ok else 1
+    for problem in report.problems:
+        print(problem.line())
+    if report.leftovers:
+        print(f"note: {len(report.leftovers)} uncommitted file(s) left by writers that stopped or are still "
+              f"running (not an error; `hsdata gc {args.store}` lists them)")
+    verdict = "OK" if report.ok else f"{len(report.problems)} PROBLEM(S)"
+    print(f"{verdict}: {report.samples_checked:,} of {report.samples:,} samples, "
+          f"{_human_bytes(report.bytes_checked)} checked in {seconds:.1f} s "
+          f"({_human_bytes(report.bytes_checked / max(seconds, 1e-9))}/s)")
+    return 0 if report.ok else 1
+
+
+def _gc(args: argparse.Namespace) -> int:
+    options = _storage_options(args.storage_option)
+    storage = Storage(args.store, options)
+    keys = leftovers(args.store, storage_options=options)
+    now = time.time()
+    old, young = [], []
+    for key in keys:
+        (old if now - _mtime(storage.fs.info(storage.path(key))) >= args.older_than else young).append(key)
+    for key in old:
+        print(("deleting " if args.yes else "") + key)
+    if args.yes:
+        for key in old:
+            storage.fs.rm_file(storage.path(key))
+    if young:
+        print(f"kept {len(young)} uncommitted file(s) younger than {args.older_than:g} s (a writer may be running)")
+    if old and not args.yes:
+        print(f"{len(old)} uncommitted file(s); run again with --yes to delete them")
+    elif not old:
+        print("nothing to delete")
+    return 0
+
+
+def _mtime(info: dict) -> float:
+    """Modification time of an fsspec ``info`` entry, across filesystems' spellings."""
+    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(name)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return value.timestamp()
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    return 0.0
 
 
 def _human_bytes(n: float) -> str:

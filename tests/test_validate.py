@@ -1,0 +1,211 @@
+"""`hsdata validate` and `hsdata gc`: every flipped, truncated or missing byte is found; leftovers are listed."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hsdata
+from conftest import SPEC, make_sample, write_store
+from hsdata.layout import shard_key
+from hsdata.shard import encoded_chunk_nbytes, index_nbytes, chunks_per_shard
+from hsdata.validate import validate
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hsdata", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pristine") / "store"
+    write_store(path, {f"s{i}": make_sample(20 + 37 * i, i) for i in range(12)})
+    return path
+
+
+@pytest.fixture
+def store(pristine, tmp_path):
+    copy = tmp_path / "store"
+    shutil.copytree(pristine, copy)
+    return copy
+
+
+def _files(store, kind):
+    files = []
+    for root, _, names in os.walk(store):
+        for name in names:
+            path = os.path.join(root, name)
+            if (kind == "manifest") == path.endswith(".parquet") and not name.endswith(".json"):
+                files.append(path)
+    return sorted(files)
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << random.randrange(8))]))
+
+
+def test_clean_store_validates(store):
+    report = validate(str(store))
+    assert report.ok and report.samples == report.samples_checked == 12 and not report.leftovers
+    result = run_cli("validate", str(store))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("OK: 12 of 12 samples")
+
+
+def _shards(store):
+    """``(path, part, tensor name, shard index)`` of every shard file."""
+    out = []
+    for path in _files(store, "shard"):
+        parts = os.path.relpath(path, store).split(os.sep)  # parts/<part>/<tensor>/c/<s>[/0]
+        out.append((path, parts[1], parts[2], int(parts[4])))
+    return out
+
+
+def _sample_at(store, part, tensor, shard, offset):
+    """The sample whose bytes hold file byte ``offset`` of a shard, or None (crc, padding)."""
+    chunk, within = divmod(offset, encoded_chunk_nbytes(tensor))
+    if within >= tensor.chunk_nbytes:
+        return None
+    token = shard * store.spec.shard_tokens + chunk * tensor.chunk_tokens + within // tensor.row_nbytes
+    for i in range(len(store)):
+        p, first, length = store.location(i)
+        if p == part and first <= token < first + length:
+            return store.sample_ids[i]
+    return None
+
+
+@pytest.mark.parametrize("region", ["payload", "index"])
+def test_every_flipped_shard_byte_is_found(store, region, tmp_path):
+    random.seed(region)
+    spec = hsdata.open(str(store)).spec
+    for trial in range(25):
+        trial_store = tmp_path / f"t{trial}"
+        shutil.copytree(store, trial_store)
+        path, part, name, shard = random.choice(_shards(trial_store))
+        tensor, size = spec.tensor(name), os.path.getsize(path)
+        index_start = size - index_nbytes(chunks_per_shard(spec, tensor))
+        offset = random.randrange(index_start) if region == "payload" else random.randrange(index_start, size)
+        _flip(path, offset)
+        report = validate(str(trial_store))
+        assert not report.ok, (trial, path, offset)
+        assert {p.kind for p in report.problems} == {"checksum" if region == "payload" else "index"}
+        if region == "payload":
+            assert any(p.byte_range[0] <= offset < p.byte_range[1] for p in report.problems if p.byte_range)
+            opened = hsdata.open(str(trial_store))
+            hit = _sample_at(opened, part, tensor, shard, offset)
+            if hit is not None:  # the flipped byte is inside a sample: reading it raises, naming it
+                assert hit in {p.sample_id for p in report.problems}
+                with pytest.raises(hsdata.CorruptDataError, match=f"sample '{hit}'"):
+                    opened.get(hit)
+        shutil.rmtree(trial_store)
+
+
+def test_every_flipped_manifest_byte_is_found(store, tmp_path):
+    random.seed(3)
+    for trial in range(25):
+        trial_store = tmp_path / f"m{trial}"
+        shutil.copytree(store, trial_store)
+        path = random.choice(_files(trial_store, "manifest"))
+        _flip(path, random.randrange(os.path.getsize(path)))
+        report = validate(str(trial_store))
+        assert [p.kind for p in report.problems] == ["manifest"], trial
+        with pytest.raises(hsdata.CorruptDataError, match="manifest"):
+            hsdata.open(str(trial_store))
+        shutil.rmtree(trial_store)
+
+
+def test_truncated_and_deleted_shards_are_found(store):
+    aux = [p for p in _files(store, "shard") if "aux_hidden_states" in p]
+    os.truncate(aux[0], os.path.getsize(aux[0]) // 2)
+    os.remove(aux[1])
+    report = validate(str(store))
+    kinds = {p.kind for p in report.problems}
+    assert "index" in kinds and "missing" in kinds
+    assert any(p.sample_id for p in report.problems if p.kind == "missing")
+    result = run_cli("validate", str(store), "--json")
+    assert result.returncode == 1
+    document = json.loads(result.stdout)
+    assert not document["ok"] and document["problems"] and all("line" in p for p in document["problems"])
+
+
+def test_check_finite_flags_nan_samples(store_path):
+    bad = make_sample(30, 1)
+    bad["hidden_states"][3, 5] = float("nan")
+    inf = make_sample(30, 2)
+    inf["aux_hidden_states"][7, 0] = float("inf")
+    write_store(store_path, {"fine": make_sample(30, 0), "nan": bad, "inf": inf})
+    assert validate(str(store_path)).ok
+    report = validate(str(store_path), check_finite=True)
+    assert sorted((p.sample_id, p.tensor) for p in report.problems) == [("inf", "aux_hidden_states"),
+                                                                         ("nan", "hidden_states")]
+    assert all(p.kind == "non_finite" for p in report.problems)
+
+
+def test_duplicate_ids_across_parts_are_reported(store_path):
+    with hsdata.create(str(store_path), **SPEC) as a, hsdata.create(str(store_path), **SPEC) as b:
+        a.add("twice", **make_sample(5, 1))
+        b.add("twice", **make_sample(5, 2))
+    report = validate(str(store_path))
+    assert [(p.kind, p.sample_id) for p in report.problems] == [("duplicate", "twice")]
+
+
+def test_sample_subset(store):
+    report = validate(str(store), sample=3)
+    assert report.ok and report.samples_checked == 3
+    assert validate(str(store), sample=0.5).samples_checked == 6
+
+
+DIE_WHILE_WRITING = """
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+import hsdata
+from conftest import SPEC, make_sample
+w = hsdata.create({store!r}, **SPEC)
+w.add("lost-1", **make_sample(300, 90))  # crosses the 256-token shard boundary: shard 0 gets finished
+w.add("lost-2", **make_sample(10, 91))
+time.sleep(1.0)  # let the writer thread finish shard 0 (its commit needs shard 1 too)
+print(w.part, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_leftovers_are_reported_and_gc_deletes_only_them(store):
+    tests = os.path.dirname(__file__)
+    died = subprocess.run([sys.executable, "-c", DIE_WHILE_WRITING.format(tests=tests, store=str(store))],
+                          capture_output=True, text=True, timeout=120)
+    assert died.returncode == -9
+    part = died.stdout.strip()
+    report = validate(str(store))
+    assert report.ok and report.leftovers and report.samples == 12
+    assert all(key.startswith(f"parts/{part}/") for key in report.leftovers)
+    assert any(".partial" in key for key in report.leftovers) and any(key.endswith("/c/0/0") for key in report.leftovers)
+    listed = run_cli("gc", str(store), "--older-than", "0")
+    assert listed.returncode == 0 and "run again with --yes" in listed.stdout
+    kept = run_cli("gc", str(store), "--yes")  # by default only files older than an hour: a writer may be alive
+    assert "kept" in kept.stdout and validate(str(store)).leftovers
+    deleted = run_cli("gc", str(store), "--yes", "--older-than", "0")
+    assert deleted.returncode == 0 and deleted.stdout.count("deleting ") == len(report.leftovers)
+    after = validate(str(store))
+    assert after.ok and not after.leftovers and after.samples == 12
+    assert run_cli("validate", str(store)).returncode == 0
+
+
+def test_cli_errors_are_exit_code_2(tmp_path, store):
+    not_store = run_cli("validate", str(tmp_path / "nothing"))
+    assert not_store.returncode == 2
+    assert not_store.stderr.strip().count("\n") == 0 and "is not an hsdata store" in not_store.stderr
+    assert "Traceback" not in not_store.stderr
+    assert run_cli("validate", str(store), "--sample", "1.5").returncode == 2
+    assert run_cli("validate", str(store), "--workers", "0").returncode == 2
+    assert run_cli("validate").returncode == 2
