@@ -126,7 +126,10 @@ class _LocalAtomicWriter(AtomicWriter):
         return True
 
     def abort(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()  # may fail flushing its buffer (a full disk): the file is discarded anyway
+        except OSError:
+            pass
         try:
             os.unlink(self._partial)
         except FileNotFoundError:

@@ -154,10 +154,10 @@ class Writer:
                     return
                 request = None
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the queue
-            self._part.abort()
             self._queue.fail(e)
             if request is not None:
                 request.set_exception(e)
+            self._part.abort()
 
 
 class _PendingQueue:
@@ -248,8 +248,12 @@ class _PartWriter:
         self._commit()
 
     def abort(self) -> None:
+        """Discard the open shard's partial files (best effort: this runs after failures too)."""
         for writer, _ in self._files.values():
-            writer.abort()
+            try:
+                writer.abort()
+            except OSError:
+                pass
         self._files.clear()
         self._shard = None
 

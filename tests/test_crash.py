@@ -1,0 +1,106 @@
+"""Crash safety with real processes and real files: kill -9 at random moments, a filesystem that fills up."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import hsdata
+from conftest import SPEC, assert_same, make_sample
+from hsdata.validate import validate
+
+LAYOUT = dict(shard_tokens=256, chunk_tokens=16)
+KILLS = 24
+
+
+def length_of(i: int) -> int:
+    return 1 + (i * 7919) % 300
+
+
+WRITER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import hsdata
+from conftest import SPEC, make_sample
+from test_crash import LAYOUT, length_of
+with hsdata.create({store!r}, **SPEC, **LAYOUT) as w:
+    print("ready", flush=True)
+    for i in range(100_000):
+        if f"s{{i}}" in w:
+            continue
+        w.add(f"s{{i}}", **make_sample(length_of(i), seed=i))
+        if i % 13 == 0:
+            w.flush()
+        time.sleep(0.002)  # a producer (the model) takes time between samples
+"""
+
+
+def _start_writer(store) -> subprocess.Popen:
+    script = WRITER.format(tests=os.path.dirname(__file__), store=str(store))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_kill_9_at_random_moments_loses_nothing_committed(tmp_path):
+    store = tmp_path / "store"
+    rng = random.Random(1234)
+    verified: set[str] = set()
+    for kill in range(KILLS):
+        proc = _start_writer(store)
+        time.sleep(rng.uniform(0.0, 0.8))
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        opened = hsdata.open(str(store))
+        ids = set(opened.sample_ids)
+        assert verified <= ids, f"kill {kill}: committed samples disappeared"
+        for sample_id in (ids - verified) | set(rng.sample(sorted(verified), min(20, len(verified)))):
+            i = int(sample_id[1:])
+            assert_same(opened.get(sample_id), make_sample(length_of(i), seed=i))  # whole and bit-exact
+        verified = ids
+        report = validate(str(store))
+        assert report.ok, [p.line() for p in report.problems]
+    assert len(verified) > 100  # the kills were spread over a long write
+    with hsdata.create(str(store), **SPEC, **LAYOUT) as w:  # a new writer continues the same store
+        for i in range(max(int(s[1:]) for s in verified) + 1, max(int(s[1:]) for s in verified) + 40):
+            w.add(f"s{i}", **make_sample(length_of(i), seed=i))
+    final = hsdata.open(str(store))
+    assert len(final) == len(verified) + 39
+    assert validate(str(store)).ok
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    mount_point = tmp_path / "small-fs"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip() or result.returncode}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_filesystem_full_gives_a_clear_error_and_a_valid_store(small_filesystem):
+    store = small_filesystem / "store"
+    written = {}
+    with pytest.raises(hsdata.WriterError, match="No space left on device"):
+        with hsdata.create(str(store), **SPEC, **LAYOUT) as w:
+            for i in range(10_000):
+                written[f"s{i}"] = sample = make_sample(length_of(i), seed=i)
+                w.add(f"s{i}", **sample)
+                if i % 5 == 0:
+                    w.flush()
+    opened = hsdata.open(str(store))
+    assert 0 < len(opened) < len(written)
+    for sample_id in opened.sample_ids:
+        assert_same(opened.get(sample_id), written[sample_id])
+    report = validate(str(store))
+    assert report.ok, [p.line() for p in report.problems]
+    assert not [k for k in report.leftovers if ".partial" in k]  # the failed writer removed its partial files
