@@ -20,7 +20,8 @@ from . import manifest
 from .errors import CorruptDataError
 from .layout import (MANIFESTS, PARTS, array_document, array_node, group_document, load_spec, metadata_key,
                      part_node, shard_key)
-from .shard import CRC_NBYTES, chunks_per_shard, decode_index, encode_index, encoded_chunk_nbytes, index_nbytes
+from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, encode_index, encoded_chunk_nbytes, index_nbytes,
+                    token_ranges)
 from .spec import HIDDEN_TENSORS, StoreSpec, TensorSpec
 from .storage import Storage
 
@@ -350,9 +351,11 @@ class _StreamCheck:
                 return
             computed = self._hasher.intdigest()
             if computed != r.hashes[self.tensor.name] and r.sample_id not in self._broken:
-                self.problems.append(Problem(
-                    "checksum", f"xxh3 {computed:016x} differs from the manifest's {r.hashes[self.tensor.name]:016x}",
-                    sample_id=r.sample_id, part=self.part, tensor=self.tensor.name))
+                ranges = token_ranges(self.spec, self.tensor, r.offset, r.length)
+                more = f" (and {len(ranges) - 1} more shard(s))" if len(ranges) > 1 else ""
+                self._problem("checksum", f"xxh3 {computed:016x} differs from the manifest's "
+                              f"{r.hashes[self.tensor.name]:016x}{more}", shard_key(self.part, self.tensor,
+                              ranges[0].shard), (ranges[0].file_start, ranges[0].file_end), r.sample_id)
             self._next += 1
             self._hasher = manifest.content_hasher()
 

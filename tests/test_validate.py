@@ -209,3 +209,27 @@ def test_cli_errors_are_exit_code_2(tmp_path, store):
     assert run_cli("validate", str(store), "--sample", "1.5").returncode == 2
     assert run_cli("validate", str(store), "--workers", "0").returncode == 2
     assert run_cli("validate").returncode == 2
+
+
+def test_bytes_changed_with_a_valid_crc_are_caught_by_the_sample_hash(store):
+    """A chunk rewritten with a matching crc32c (misplaced data, not bit rot) still fails the per-sample xxh3."""
+    from crc32c import crc32c
+
+    opened = hsdata.open(str(store))
+    part, offset, length = opened.location(5)
+    tensor = opened.spec.tensor("hidden_states")
+    path = os.path.join(str(store), shard_key(part, tensor, offset // opened.spec.shard_tokens))
+    chunk = (offset % opened.spec.shard_tokens) // tensor.chunk_tokens + 1
+    start = chunk * encoded_chunk_nbytes(tensor)
+    with open(path, "r+b") as f:
+        f.seek(start)
+        data = bytearray(f.read(tensor.chunk_nbytes))
+        data[:2] = bytes([data[0] ^ 0xFF, data[1]])
+        f.seek(start)
+        f.write(bytes(data) + crc32c(bytes(data)).to_bytes(4, "little"))
+    report = validate(str(store))
+    assert [(p.kind, p.tensor) for p in report.problems] == [("checksum", "hidden_states")]
+    assert report.problems[0].sample_id == "s5" and "xxh3" in report.problems[0].message
+    assert report.problems[0].byte_range is not None
+    with pytest.raises(hsdata.CorruptDataError, match="sample 's5': hidden_states does not match its checksum"):
+        hsdata.open(str(store)).get("s5")
