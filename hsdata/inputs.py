@@ -20,6 +20,7 @@ class Sample:
     sample_id: str
     arrays: dict[str, np.ndarray]
     meta: str | None
+    has_loss_mask: bool = True  # False: the caller had none; the stored rows are zeros and carry no hash
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +52,7 @@ def prepare(spec: StoreSpec, sample_id: Any, *, input_ids: Any, loss_mask: Any, 
         bad = lo if lo < 0 else hi
         raise fail(f"input_ids holds {bad}, outside [0, {limit}]" + ("" if spec.vocab_size is None else " (vocab_size)"))
 
-    mask = _integers(loss_mask, "loss_mask", fail)
+    mask = np.zeros(num_tokens, np.uint8) if loss_mask is None else _integers(loss_mask, "loss_mask", fail)
     if mask.shape != (num_tokens,):
         raise fail(f"loss_mask must have shape [{num_tokens}] like input_ids, got {list(mask.shape)}")
     if mask.dtype != np.bool_ and ((mask != 0) & (mask != 1)).any():
@@ -79,7 +80,7 @@ def prepare(spec: StoreSpec, sample_id: Any, *, input_ids: Any, loss_mask: Any, 
         "aux_hidden_states": aux,
         "hidden_states": final,
     }
-    return Sample(sample_id, arrays, meta)
+    return Sample(sample_id, arrays, meta, has_loss_mask=loss_mask is not None)
 
 
 def _integers(value: Any, name: str, fail) -> np.ndarray:

@@ -34,7 +34,7 @@ SCHEMA = pa.schema(
         pa.field("part", pa.string(), nullable=False),
         pa.field("token_offset", pa.int64(), nullable=False),
         pa.field("num_tokens", pa.int64(), nullable=False),
-        *(pa.field(hash_column(t), pa.uint64(), nullable=False) for t in TENSOR_NAMES),
+        *(pa.field(hash_column(t), pa.uint64(), nullable=t == "loss_mask") for t in TENSOR_NAMES),
         pa.field("created", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("meta", pa.string()),
     ]
@@ -57,7 +57,7 @@ class Row:
     part: str
     token_offset: int
     num_tokens: int
-    hashes: dict[str, int]
+    hashes: dict[str, int | None]  # None only for loss_mask: the sample has none
     meta: str | None
     created: datetime
 
@@ -126,4 +126,9 @@ def now() -> datetime:
 
 
 def row_hashes(table: pa.Table) -> dict[str, np.ndarray]:
-    return {t: table.column(hash_column(t)).to_numpy() for t in TENSOR_NAMES}
+    """Hash columns as uint64 arrays (a missing loss mask's null reads 0: see :func:`has_loss_mask`)."""
+    return {t: table.column(hash_column(t)).fill_null(0).to_numpy() for t in TENSOR_NAMES}
+
+
+def has_loss_mask(table: pa.Table) -> np.ndarray:
+    return table.column(hash_column("loss_mask")).is_valid().to_numpy(zero_copy_only=False)

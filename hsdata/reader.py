@@ -60,6 +60,7 @@ class Store:
         self._offsets = self.manifest.column("token_offset").to_numpy()
         self.lengths: np.ndarray = self.manifest.column("num_tokens").to_numpy()
         self._hashes = manifest.row_hashes(self.manifest)
+        self._has_loss_mask = manifest.has_loss_mask(self.manifest)
 
     @property
     def url(self) -> str:
@@ -107,10 +108,12 @@ class Store:
 
     def read(self, i: int, fields: Iterable[str] | None = None) -> dict[str, Any]:
         """Sample ``i`` as a dict of torch tensors: ``input_ids`` int64 [T], ``loss_mask`` uint8 [T],
-        ``aux_hidden_states`` bfloat16 [T, K*H], ``hidden_states`` bfloat16 [T, H]; ``fields`` picks a subset."""
+        ``aux_hidden_states`` bfloat16 [T, K*H], ``hidden_states`` bfloat16 [T, H]; ``fields`` picks a subset.
+        ``loss_mask`` is None for a sample written without one (the server hook does not know it)."""
         i = self._position(i)
         part, offset, length = self.location(i)
-        tensors = [self.spec.tensor(name) for name in _check_fields(fields)]
+        names = _check_fields(fields)
+        tensors = [self.spec.tensor(n) for n in names if n != "loss_mask" or self._has_loss_mask[i]]
         buffers = [np.empty(length * t.row_nbytes, np.uint8) for t in tensors]
         reads = []  # (tensor position, key, range, destination), in byte order of each tensor
         for k, (tensor, buf) in enumerate(zip(tensors, buffers)):
@@ -129,6 +132,8 @@ class Store:
         except CorruptDataError as e:
             raise CorruptDataError(f"sample {self._ids[i]!r}: {e}") from None
         out: dict[str, Any] = {"sample_id": self._ids[i]}
+        if "loss_mask" in names and not self._has_loss_mask[i]:
+            out["loss_mask"] = None
         for tensor, buf, hasher in zip(tensors, buffers, hashers):
             if self.verify:
                 self._check_hash(i, tensor, hasher.intdigest())

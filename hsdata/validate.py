@@ -71,7 +71,7 @@ class _Row:
     sample_id: str
     offset: int
     length: int
-    hashes: dict[str, int]
+    hashes: dict[str, int | None]
 
     @property
     def end(self) -> int:
@@ -142,6 +142,7 @@ def _load_rows(storage: Storage, report: Report) -> dict[str, list[_Row]]:
             report.problems.append(Problem("manifest", str(e), key=key))
             continue
         hashes = manifest.row_hashes(table)
+        hashes["loss_mask"] = [h if ok else None for h, ok in zip(hashes["loss_mask"], manifest.has_loss_mask(table))]
         columns = [table.column(c).to_pylist() for c in ("sample_id", "part", "token_offset", "num_tokens")]
         for i, (sample_id, part, offset, length) in enumerate(zip(*columns)):
             if sample_id in seen:
@@ -153,7 +154,8 @@ def _load_rows(storage: Storage, report: Report) -> dict[str, list[_Row]]:
                 report.problems.append(Problem("bounds", f"token_offset {offset}, num_tokens {length}",
                                                sample_id=sample_id, part=part, key=key))
                 continue
-            by_part.setdefault(part, []).append(_Row(sample_id, offset, length, {t: int(h[i]) for t, h in hashes.items()}))
+            row_hashes = {t: None if h[i] is None else int(h[i]) for t, h in hashes.items()}
+            by_part.setdefault(part, []).append(_Row(sample_id, offset, length, row_hashes))
     for part, rows in by_part.items():
         rows.sort(key=lambda r: r.offset)
         for before, after in zip(rows, rows[1:]):
@@ -350,12 +352,13 @@ class _StreamCheck:
             if r.end > t1:
                 return
             computed = self._hasher.intdigest()
-            if computed != r.hashes[self.tensor.name] and r.sample_id not in self._broken:
+            expected = r.hashes[self.tensor.name]
+            if expected is not None and computed != expected and r.sample_id not in self._broken:
                 ranges = token_ranges(self.spec, self.tensor, r.offset, r.length)
                 more = f" (and {len(ranges) - 1} more shard(s))" if len(ranges) > 1 else ""
-                self._problem("checksum", f"xxh3 {computed:016x} differs from the manifest's "
-                              f"{r.hashes[self.tensor.name]:016x}{more}", shard_key(self.part, self.tensor,
-                              ranges[0].shard), (ranges[0].file_start, ranges[0].file_end), r.sample_id)
+                key = shard_key(self.part, self.tensor, ranges[0].shard)
+                self._problem("checksum", f"xxh3 {computed:016x} differs from the manifest's {expected:016x}{more}",
+                              key, (ranges[0].file_start, ranges[0].file_end), r.sample_id)
             self._next += 1
             self._hasher = manifest.content_hasher()
 

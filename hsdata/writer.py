@@ -78,8 +78,9 @@ class Writer:
             meta: dict | None = None) -> None:
         """Queue one sample. Arrays are kept by reference until written: do not modify them afterwards.
 
-        ``input_ids`` [T] ints, ``loss_mask`` [T] 0/1, ``aux_hidden_states`` [T, K*H] (or [T, K, H]) bfloat16,
-        ``hidden_states`` [T, H] bfloat16 (post-norm), ``meta`` any JSON-serializable dict.
+        ``input_ids`` [T] ints, ``loss_mask`` [T] 0/1 (None: not known to this writer, e.g. the server hook;
+        readers then get None), ``aux_hidden_states`` [T, K*H] (or [T, K, H]) bfloat16, ``hidden_states`` [T, H]
+        bfloat16 (post-norm), ``meta`` any JSON-serializable dict.
         """
         self._check_open()
         sample = inputs.prepare(self.spec, sample_id, input_ids=input_ids, loss_mask=loss_mask,
@@ -223,6 +224,8 @@ class _PartWriter:
     def append(self, sample: inputs.Sample) -> None:
         start, total, shard_tokens = self._next_token, sample.num_tokens, self.spec.shard_tokens
         hashes = {name: manifest.content_hash(array) for name, array in sample.arrays.items()}
+        if not sample.has_loss_mask:
+            hashes["loss_mask"] = None
         self._uncommitted.append(manifest.Row(sample.sample_id, self.part, start, total, hashes, sample.meta,
                                               manifest.now()))
         done = 0

@@ -163,3 +163,19 @@ def test_racing_writers_adding_one_id_keep_the_first_commit(store_path):
     assert store.sample_ids == ["same"]
     assert store.location(0)[0] == first.part
     assert_same(store[0], a)
+
+
+def test_samples_without_a_loss_mask(store_path):
+    sample = make_sample(40, 3)
+    with hsdata.create(str(store_path), **SPEC, **SMALL_LAYOUT) as w:
+        w.add("no-mask", **{**sample, "loss_mask": None})
+        w.add("mask", **sample)
+    store = hsdata.open(str(store_path))
+    got = store.get("no-mask")
+    assert got["loss_mask"] is None
+    assert_same(got, {k: v for k, v in sample.items() if k != "loss_mask"})
+    assert_same(store.get("mask"), sample)
+    assert set(store.get("no-mask", fields=["loss_mask", "input_ids"])) == {"sample_id", "loss_mask", "input_ids"}
+    from hsdata.validate import validate
+
+    assert validate(str(store_path)).ok
