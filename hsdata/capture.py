@@ -1,0 +1,277 @@
+"""From packed prefill forwards to committed samples, off the forward's critical path.
+
+A front end (the SGLang hook, an in-process engine) describes each prefill forward as :class:`Piece` s, one per
+request: rows ``[row, row + length)`` of the packed tensors hold prompt positions ``[start, start + length)``.
+:meth:`Capture.add_forward` copies just those rows to host memory (pinned buffers on a side CUDA stream when the
+tensors are on a GPU) and returns; a background thread reassembles requests across forwards (chunked prefill),
+hands complete samples to the store's writer and commits at least every ``flush_interval_s``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .errors import InvalidSampleError
+from .writer import Writer
+
+log = logging.getLogger("hsdata.capture")
+
+RADIX_CACHE_FIX = ("its hidden states were never computed: run the server with --disable-radix-cache, or send "
+                   "each request a unique cache_salt")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One request's rows in one packed forward."""
+
+    sample_id: str
+    start: int  # prompt position of the piece's first row
+    row: int  # first row in the packed tensors
+    length: int  # rows
+
+
+@dataclass(frozen=True)
+class Completed:
+    sample_id: str
+    input_ids: torch.Tensor  # [T]
+    aux_hidden_states: torch.Tensor  # [T, K*H]
+    hidden_states: torch.Tensor  # [T, H]
+
+
+@dataclass
+class _Partial:
+    prompt_length: int
+    filled: int = 0
+    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+
+
+class Assembler:
+    """Reassembles requests from pieces in arrival order; pure, single-threaded, host tensors only.
+
+    A request is complete when positions ``[0, prompt_length)`` are covered. A piece starting at 0 again (a
+    retracted request prefilled anew) replaces what was there, a finished request's later rows (re-prefills,
+    decode, generated tokens) are ignored, and a request whose first piece starts past 0 (its prefix came from
+    the prefix cache) or leaves a gap is refused: its states were never computed.
+    """
+
+    def __init__(self):
+        self._partial: dict[str, _Partial] = {}
+        self._done: set[str] = set()
+        self.refused: set[str] = set()
+        self._warned = False
+
+    @property
+    def in_progress(self) -> int:
+        return len(self._partial)
+
+    def add(self, piece: Piece, prompt_length: int, input_ids: torch.Tensor, aux: torch.Tensor,
+            final: torch.Tensor) -> Completed | None:
+        """Take a piece's rows (already sliced, owned by the caller); return the request once complete."""
+        sample_id, start = piece.sample_id, piece.start
+        if sample_id in self._done or start >= prompt_length:
+            return None
+        keep = min(piece.length, prompt_length - start)
+        partial = self._partial.get(sample_id)
+        if start == 0:
+            partial = self._partial[sample_id] = _Partial(prompt_length)
+            self.refused.discard(sample_id)
+        elif partial is None or start > partial.filled:
+            self._refuse(sample_id, f"its first {start} prompt tokens were not computed in this server's forwards")
+            return None
+        elif start < partial.filled:  # re-prefill from the middle: drop what it recomputes
+            while partial.starts and partial.starts[-1] >= start:
+                partial.starts.pop()
+                partial.pieces.pop()
+            partial.filled = start
+            if partial.pieces:
+                last_start = partial.starts[-1]
+                ids, a, f = partial.pieces[-1]
+                cut = start - last_start
+                partial.pieces[-1] = (ids[:cut], a[:cut], f[:cut])
+        partial.pieces.append((input_ids[:keep], aux[:keep], final[:keep]))
+        partial.starts.append(start)
+        partial.filled = start + keep
+        if partial.filled < prompt_length:
+            return None
+        del self._partial[sample_id]
+        self._done.add(sample_id)
+        ids, a, f = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*partial.pieces))
+        return Completed(sample_id, ids, a, f)
+
+    def _refuse(self, sample_id: str, why: str) -> None:
+        self._partial.pop(sample_id, None)
+        self.refused.add(sample_id)
+        if not self._warned:
+            self._warned = True
+            log.warning("hsdata: not storing request %r: %s; %s (warned once)", sample_id, why, RADIX_CACHE_FIX)
+        else:
+            log.debug("hsdata: not storing request %r: %s", sample_id, why)
+
+
+@dataclass
+class _Staged:
+    pieces: Sequence[Piece]
+    prompt_lengths: torch.Tensor
+    input_ids: torch.Tensor
+    aux: torch.Tensor
+    final: torch.Tensor
+    ready: torch.cuda.Event | None
+    nbytes: int
+
+
+class Capture:
+    """Stages prefill rows on the forward's thread, assembles and writes them on its own thread."""
+
+    def __init__(self, writer: Writer, *, flush_interval_s: float = 5.0, max_staged_bytes: int = 4 << 30):
+        if flush_interval_s <= 0 or max_staged_bytes <= 0:
+            raise ValueError("flush_interval_s and max_staged_bytes must be positive")
+        self.writer = writer
+        self.flush_interval_s = flush_interval_s
+        self.max_staged_bytes = max_staged_bytes
+        self.assembler = Assembler()
+        self.samples_written = 0
+        self._cond = threading.Condition()
+        self._staged: collections.deque[_Staged] = collections.deque()
+        self._staged_bytes = 0
+        self._closing = False
+        self._error: BaseException | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._thread = threading.Thread(target=self._run, name="hsdata-capture", daemon=True)
+        self._thread.start()
+
+    def add_forward(self, pieces: Sequence[Piece], prompt_lengths: torch.Tensor | Sequence[int],
+                    input_ids: torch.Tensor, aux: torch.Tensor | Sequence[torch.Tensor],
+                    final: torch.Tensor) -> None:
+        """Stage the rows ``pieces`` cover (padding rows beyond them are never copied) and return.
+
+        ``prompt_lengths[i]`` is the whole prompt length of ``pieces[i]``'s request; ``aux`` is packed
+        ``[rows, K*H]`` or a list of K ``[rows, H]`` tensors. Waits only when ``max_staged_bytes`` are staged
+        and not yet written (the disk is slower than the model), logging when it does.
+        """
+        if self._error is not None or not pieces:
+            return
+        rows = max(p.row + p.length for p in pieces)
+        aux_parts = [aux] if isinstance(aux, torch.Tensor) else list(aux)
+        width = sum(a.shape[-1] for a in aux_parts)
+        nbytes = rows * (width + final.shape[-1]) * final.element_size() + rows * 8
+        self._reserve(nbytes)
+        if not torch.is_tensor(prompt_lengths):
+            prompt_lengths = torch.tensor(list(prompt_lengths), dtype=torch.int64)
+        if final.is_cuda:
+            staged = self._stage_cuda(pieces, prompt_lengths, input_ids, aux_parts, final, rows, width, nbytes)
+        else:
+            host_aux = torch.cat([a[:rows] for a in aux_parts], dim=-1) if len(aux_parts) > 1 else aux_parts[0][:rows].clone()
+            staged = _Staged(pieces, prompt_lengths.clone(), input_ids[:rows].clone(), host_aux,
+                             final[:rows].clone(), None, nbytes)
+        with self._cond:
+            self._staged.append(staged)
+            self._cond.notify_all()
+
+    def _stage_cuda(self, pieces, prompt_lengths, input_ids, aux_parts, final, rows, width, nbytes) -> _Staged:
+        """Copy to pinned host memory on a side stream ordered after the forward; never syncs the forward."""
+        current = torch.cuda.current_stream(final.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(final.device)
+        self._stream.wait_stream(current)
+        pinned = dict(dtype=final.dtype, pin_memory=True)
+        host_ids = torch.empty(rows, dtype=input_ids.dtype, pin_memory=True)
+        host_aux = torch.empty(rows, width, **pinned)
+        host_final = torch.empty(rows, final.shape[-1], **pinned)
+        host_lengths = torch.empty(len(prompt_lengths), dtype=prompt_lengths.dtype, pin_memory=True)
+        with torch.cuda.stream(self._stream):
+            host_ids.copy_(input_ids[:rows], non_blocking=True)
+            column = 0
+            for a in aux_parts:
+                host_aux[:, column : column + a.shape[-1]].copy_(a[:rows], non_blocking=True)
+                column += a.shape[-1]
+            host_final.copy_(final[:rows], non_blocking=True)
+            host_lengths.copy_(prompt_lengths, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        for t in (input_ids, final, prompt_lengths, *aux_parts):
+            if t.is_cuda:
+                t.record_stream(self._stream)  # the allocator must not reuse them before the copy ran
+        return _Staged(pieces, host_lengths, host_ids, host_aux, host_final, ready, nbytes)
+
+    def _reserve(self, nbytes: int) -> None:
+        with self._cond:
+            waited = time.monotonic()
+            while self._staged_bytes and self._staged_bytes + nbytes > self.max_staged_bytes:
+                if not self._cond.wait(timeout=10.0):
+                    log.warning("hsdata: %.0f s waiting for the store to take %.1f GiB of staged hidden states: "
+                                "the disk is slower than the model", time.monotonic() - waited,
+                                self._staged_bytes / 2**30)
+            self._staged_bytes += nbytes
+
+    def close(self) -> None:
+        """Write what is staged, commit, and stop. Requests still incomplete are dropped (logged)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        if self.assembler.in_progress:
+            log.warning("hsdata: %d request(s) still incomplete at shutdown were not stored",
+                        self.assembler.in_progress)
+        if self._error is None:
+            self.writer.close()
+        else:
+            self.writer.abort()
+
+    def _run(self) -> None:
+        next_flush = time.monotonic() + self.flush_interval_s
+        unflushed = 0
+        try:
+            while True:
+                with self._cond:
+                    while not self._staged and not self._closing:
+                        if not self._cond.wait(timeout=max(0.0, next_flush - time.monotonic())):
+                            break
+                    staged = self._staged.popleft() if self._staged else None
+                    if staged is None and self._closing:
+                        return
+                if staged is not None:
+                    unflushed += self._write(staged)
+                    with self._cond:
+                        self._staged_bytes -= staged.nbytes
+                        self._cond.notify_all()
+                if time.monotonic() >= next_flush:
+                    if unflushed:
+                        self.writer.flush()
+                        unflushed = 0
+                    next_flush = time.monotonic() + self.flush_interval_s
+        except BaseException as e:  # noqa: BLE001 - the server keeps running; captures stop, loudly
+            self._error = e
+            log.error("hsdata: capture stopped, no more samples will be stored: %r", e)
+            with self._cond:
+                self._staged.clear()
+                self._staged_bytes = 0
+                self._cond.notify_all()
+
+    def _write(self, staged: _Staged) -> int:
+        if staged.ready is not None:
+            staged.ready.synchronize()
+        written = 0
+        lengths = staged.prompt_lengths.tolist()
+        for piece, prompt_length in zip(staged.pieces, lengths):
+            rows = slice(piece.row, piece.row + piece.length)
+            done = self.assembler.add(piece, int(prompt_length), staged.input_ids[rows].clone(),
+                                      staged.aux[rows].clone(), staged.final[rows].clone())
+            if done is None:
+                continue
+            try:
+                self.writer.add(done.sample_id, input_ids=done.input_ids, loss_mask=None,
+                                aux_hidden_states=done.aux_hidden_states, hidden_states=done.hidden_states)
+            except InvalidSampleError as e:  # e.g. a request id already committed: that sample stays as it was
+                log.warning("hsdata: request not stored: %s", e)
+                continue
+            written += 1
+        self.samples_written += written
+        return written

@@ -1,0 +1,161 @@
+"""The SGLang forward hook: ``--forward-hooks '[{"name": "hsdata", "target_modules": ["logits_processor"],
+"hook_factory": "server_hook.sglang:make_hook", "config": {"store": "/data/kimi-hs"}}]'``.
+
+SGLang's models call ``logits_processor(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)``
+with the final post-norm states and (with ``--enable-return-aux-hidden-states``) the aux layers' states. The hook
+keeps prefill (EXTEND / MIXED) forwards on the attention-TP rank 0 of each scheduler, cuts the packed rows into
+requests and hands them to :class:`hsdata.capture.Capture`, which stores them off the forward's path. Each
+scheduler (each DP rank, each server) writes its own part of the store.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+import hsdata
+from hsdata.capture import Capture, Piece
+
+log = logging.getLogger("hsdata.server_hook")
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """The ``config`` object of the hook spec. Unknown keys are an error."""
+
+    store: str
+    aux_layers: list[int] | None = None  # "output of layer k" ids; default: the server's, else EAGLE-3's
+    model: str | None = None  # default: the server's --model-path
+    storage_options: dict = field(default_factory=dict)
+    flush_interval_s: float = 5.0
+    max_staged_bytes: int = 4 << 30  # host memory for rows copied off the GPU and not yet written
+
+    @classmethod
+    def parse(cls, config: Any) -> HookConfig:
+        if not isinstance(config, dict):
+            raise ValueError(f"hsdata hook: config must be a JSON object, got {config!r}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"hsdata hook: unknown config key(s) {unknown}; known: {sorted(known)}")
+        if not isinstance(config.get("store"), str) or not config["store"]:
+            raise ValueError("hsdata hook: config needs \"store\": a path or fsspec URL")
+        parsed = cls(**config)
+        if parsed.flush_interval_s <= 0 or parsed.max_staged_bytes <= 0:
+            raise ValueError("hsdata hook: flush_interval_s and max_staged_bytes must be positive")
+        return parsed
+
+
+def make_hook(config: dict) -> Callable:
+    """The hook factory SGLang's ``--forward-hooks`` calls in each scheduler process."""
+    return PrefillHook(HookConfig.parse(config))
+
+
+class PrefillHook:
+    """A ``register_forward_hook`` callback for SGLang's ``logits_processor``; never changes its output."""
+
+    def __init__(self, config: HookConfig):
+        self.config = config
+        self.capture: Capture | None = None
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    def __call__(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        forward_batch = args[3] if len(args) > 3 else None
+        mode = getattr(forward_batch, "forward_mode", None)
+        if mode is None or mode.name not in ("EXTEND", "MIXED"):
+            return None  # decode, idle, target-verify, draft passes: nothing to store
+        if _attention_tp_rank() != 0:
+            return None  # TP ranks hold the same all-reduced states; rank 0 writes
+        aux = args[4] if len(args) > 4 else None
+        if aux is None or (isinstance(aux, (list, tuple)) and not aux):
+            self._warn_once("no-aux", "logits_processor got no aux hidden states: launch the server with "
+                            "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3")
+            return None
+        if forward_batch.rids is None or forward_batch.orig_seq_lens is None:
+            self._warn_once("no-rids", "this prefill batch carries no request ids or prompt lengths (prefill CUDA "
+                            "graph?): launch with --disable-prefill-cuda-graph")
+            return None
+        pieces, row = [], 0
+        for rid, length, prefix in zip(forward_batch.rids, forward_batch.extend_seq_lens_cpu,
+                                       forward_batch.extend_prefix_lens_cpu):
+            pieces.append(Piece(str(rid), int(prefix), row, int(length)))
+            row += int(length)
+        final = args[1]
+        capture = self._capture(module, aux, final)
+        capture.add_forward(pieces, forward_batch.orig_seq_lens, args[0], aux, final)
+        return None
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.close()
+            self.capture = None
+
+    def _capture(self, module: torch.nn.Module, aux, final: torch.Tensor) -> Capture:
+        if self.capture is None:
+            with self._lock:
+                if self.capture is None:
+                    self.capture = self._open(module, aux, final)
+        return self.capture
+
+    def _open(self, module: torch.nn.Module, aux, final: torch.Tensor) -> Capture:
+        hidden = final.shape[-1]
+        width = aux.shape[-1] if isinstance(aux, torch.Tensor) else sum(a.shape[-1] for a in aux)
+        layers = self.config.aux_layers or _server_aux_layers() or _eagle3_default(module)
+        if len(layers) * hidden != width:
+            raise ValueError(f"hsdata hook: aux_layers {layers} give {len(layers)} x {hidden} columns, but the "
+                             f"model passes {width}: set \"aux_layers\" in the hook config")
+        writer = hsdata.create(self.config.store, hidden_size=hidden, aux_layers=list(layers),
+                               model=self.config.model or _server_model(), storage_options=self.config.storage_options)
+        capture = Capture(writer, flush_interval_s=self.config.flush_interval_s,
+                          max_staged_bytes=self.config.max_staged_bytes)
+        atexit.register(self.close)
+        log.info("hsdata: storing prefill hidden states in %s (part %s)", self.config.store, writer.part)
+        return capture
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("hsdata: %s", message)
+
+
+def _attention_tp_rank() -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(get_parallel().attn_tp_rank)
+    except (RuntimeError, ValueError):
+        return 0  # no parallel context published: a single process
+
+
+def _server_aux_layers() -> list[int] | None:
+    args = _server_args()
+    return list(args.return_aux_hidden_state_layer_ids) if args and args.return_aux_hidden_state_layer_ids else None
+
+
+def _server_model() -> str | None:
+    args = _server_args()
+    return getattr(args, "model_path", None) if args else None
+
+
+def _server_args():
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        return get_server_args()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _eagle3_default(module: torch.nn.Module) -> list[int]:
+    """EAGLE-3's default capture points as "output of layer k" ids: ``[1, N // 2 - 1, N - 4]``."""
+    config = getattr(module, "config", None)
+    layers = getattr(getattr(config, "text_config", config), "num_hidden_layers", None)
+    if not layers:
+        raise ValueError("hsdata hook: cannot tell the model's depth; set \"aux_layers\" in the hook config")
+    return [1, layers // 2 - 1, layers - 4]

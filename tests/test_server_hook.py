@@ -1,0 +1,189 @@
+"""The SGLang hook against the real sglang package: its own hook registry, ForwardMode and ForwardBatch.
+
+A small scheduler stand-in packs prompts into forwards the way SGLang does (request-major rows, chunked prefill,
+padding rows, decode forwards in between) and calls ``logits_processor`` with the positional signature SGLang's
+models use: ``(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.hook_manager import register_forward_hooks
+from sglang.srt.runtime_context import get_parallel
+
+import hsdata
+from conftest import AUX, HIDDEN, assert_same, make_sample
+from hsdata.validate import validate
+from server_hook.sglang import HookConfig, PrefillHook
+
+
+class LogitsProcessor(torch.nn.Module):
+    """Stands in for SGLang's LogitsProcessor: same name in the model, same call signature."""
+
+    def forward(self, input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states=None):
+        return torch.zeros(hidden_states.shape[0], 8)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lm_head = torch.nn.Identity()
+        self.logits_processor = LogitsProcessor()
+
+
+def hooked_model(store, **config) -> tuple[Model, PrefillHook]:
+    model = Model()
+    spec = {"name": "hsdata", "target_modules": ["logits_processor"], "hook_factory": "server_hook.sglang:make_hook",
+            "config": {"store": str(store), "aux_layers": AUX, "flush_interval_s": 0.2, **config}}
+    register_forward_hooks(model, [spec])  # SGLang resolves the factory from its string
+    (hook,) = model.logits_processor._forward_hooks.values()
+    return model, hook
+
+
+def forward(model, mode, pieces, prompts, *, pad_rows=0, aux_as_list=False):
+    """One packed forward: ``pieces`` are (rid, start, length) in row order."""
+    ids, aux, final = [], [], []
+    for rid, start, length in pieces:
+        s = prompts[rid]
+        ids.append(s["input_ids"][start : start + length])
+        aux.append(s["aux_hidden_states"][start : start + length])
+        final.append(s["hidden_states"][start : start + length])
+    ids = torch.cat(ids + [torch.zeros(pad_rows, dtype=torch.int64)])
+    aux = torch.cat(aux + [torch.full((pad_rows, aux[0].shape[1]), 7.0, dtype=torch.bfloat16)])
+    final = torch.cat(final + [torch.full((pad_rows, HIDDEN), 7.0, dtype=torch.bfloat16)])
+    n = len(pieces)
+    batch = ForwardBatch(
+        forward_mode=mode, batch_size=n, input_ids=ids, req_pool_indices=torch.arange(n),
+        seq_lens=torch.tensor([start + length for _, start, length in pieces]), out_cache_loc=torch.arange(len(ids)),
+        seq_lens_sum=sum(start + length for _, start, length in pieces), rids=[rid for rid, _, _ in pieces],
+        extend_seq_lens_cpu=[length for _, _, length in pieces], extend_prefix_lens_cpu=[s for _, s, _ in pieces],
+        orig_seq_lens=torch.tensor([len(prompts[rid]["input_ids"]) for rid, _, _ in pieces], dtype=torch.int32),
+    )
+    if aux_as_list:
+        aux = list(aux.split(HIDDEN, dim=-1))
+    out = model.logits_processor(ids, final, model.lm_head, batch, aux)
+    assert out.shape == (len(ids), 8)  # the hook never changes the output
+
+
+def serve(model, prompts, *, chunk, budget, decode_every=2, pad_rows=3):
+    """Chunked prefill: each forward takes up to ``chunk`` tokens per request and ``budget`` per batch."""
+    done = {rid: 0 for rid in prompts}
+    step = 0
+    while any(done[rid] < len(prompts[rid]["input_ids"]) for rid in prompts):
+        pieces, used = [], 0
+        for rid, prompt in prompts.items():
+            left = len(prompt["input_ids"]) - done[rid]
+            if left and used < budget:
+                take = min(left, chunk, budget - used)
+                pieces.append((rid, done[rid], take))
+                done[rid] += take
+                used += take
+        forward(model, ForwardMode.EXTEND, pieces, prompts, pad_rows=pad_rows, aux_as_list=step % 2 == 1)
+        step += 1
+        if step % decode_every == 0:
+            rid = next(iter(prompts))
+            n = len(prompts[rid]["input_ids"])
+            decode = {rid: {k: v[:1].repeat(*([n + 1] + [1] * (v.dim() - 1))) for k, v in prompts[rid].items()}}
+            forward(model, ForwardMode.DECODE, [(rid, n, 1)], decode)
+
+
+def assert_stored(store, prompts):
+    opened = hsdata.open(str(store))
+    assert sorted(opened.sample_ids) == sorted(prompts)
+    for rid, prompt in prompts.items():
+        got = opened.get(rid)
+        assert got["loss_mask"] is None  # the server cannot know it
+        assert_same(got, {k: v for k, v in prompt.items() if k != "loss_mask"})
+    assert validate(str(store)).ok
+
+
+PROMPTS = {f"req-{i}": make_sample(n, seed=i) for i, n in enumerate([1, 5, 64, 200, 33, 512, 7])}
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 100, 4096])
+def test_chunked_prefill_is_reassembled_bit_exact(tmp_path, chunk):
+    model, hook = hooked_model(tmp_path / "store")
+    serve(model, PROMPTS, chunk=chunk, budget=max(chunk, 300))
+    hook.close()
+    assert_stored(tmp_path / "store", PROMPTS)
+
+
+def test_several_requests_per_forward_with_padding_rows(tmp_path):
+    model, hook = hooked_model(tmp_path / "store")
+    forward(model, ForwardMode.EXTEND, [(rid, 0, len(p["input_ids"])) for rid, p in PROMPTS.items()], PROMPTS,
+            pad_rows=13)
+    hook.close()
+    assert_stored(tmp_path / "store", PROMPTS)
+
+
+def test_mixed_forward_with_a_decode_row(tmp_path):
+    prompts = {"a": make_sample(40, 1), "b": make_sample(20, 2)}
+    model, hook = hooked_model(tmp_path / "store")
+    forward(model, ForwardMode.EXTEND, [("a", 0, 40)], prompts)
+    decode_a = {"a": make_sample(41, 1), "b": prompts["b"]}  # a's generated token sits at position 40
+    forward(model, ForwardMode.MIXED, [("b", 0, 20), ("a", 40, 1)], decode_a)
+    hook.close()
+    assert_stored(tmp_path / "store", prompts)
+
+
+def test_tensor_parallel_rank_other_than_zero_writes_nothing(tmp_path):
+    model, hook = hooked_model(tmp_path / "store")
+    with get_parallel().override(attn_tp_rank=1, attn_tp_size=2):
+        serve(model, PROMPTS, chunk=64, budget=256)
+    hook.close()
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_retracted_request_prefilled_again_is_stored_once(tmp_path):
+    prompts = {"r": make_sample(100, 5), "other": make_sample(10, 6)}
+    model, hook = hooked_model(tmp_path / "store")
+    forward(model, ForwardMode.EXTEND, [("r", 0, 30)], prompts)
+    forward(model, ForwardMode.EXTEND, [("r", 30, 30)], prompts)
+    # retracted (KV freed), then prefilled again from the start, in other chunk sizes
+    forward(model, ForwardMode.EXTEND, [("r", 0, 50), ("other", 0, 10)], prompts)
+    forward(model, ForwardMode.EXTEND, [("r", 50, 50)], prompts)
+    forward(model, ForwardMode.EXTEND, [("r", 0, 100)], prompts)  # and once more after it completed
+    hook.close()
+    assert_stored(tmp_path / "store", prompts)
+
+
+def test_a_prefix_cache_hit_is_refused_with_one_warning(tmp_path, caplog):
+    prompts = {"cached-1": make_sample(50, 7), "cached-2": make_sample(50, 8), "fine": make_sample(20, 9)}
+    model, hook = hooked_model(tmp_path / "store")
+    with caplog.at_level(logging.WARNING, logger="hsdata.capture"):
+        forward(model, ForwardMode.EXTEND, [("cached-1", 16, 34), ("fine", 0, 20), ("cached-2", 32, 18)], prompts)
+    hook.close()
+    warnings = [r.getMessage() for r in caplog.records if "radix-cache" in r.getMessage()]
+    assert len(warnings) == 1 and "cached-1" in warnings[0] and "cache_salt" in warnings[0]
+    assert_stored(tmp_path / "store", {"fine": prompts["fine"]})
+
+
+def test_samples_commit_within_the_flush_interval(tmp_path):
+    import time
+
+    model, hook = hooked_model(tmp_path / "store", flush_interval_s=0.2)
+    forward(model, ForwardMode.EXTEND, [("early", 0, 5)], {"early": make_sample(5, 1)})
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not (tmp_path / "store" / "manifests").exists():
+        time.sleep(0.05)
+    assert hsdata.open(str(tmp_path / "store")).sample_ids == ["early"]  # visible before shutdown
+    hook.close()
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['stor'\]"):
+        HookConfig.parse({"stor": "/x"})
+    with pytest.raises(ValueError, match="config needs \"store\""):
+        HookConfig.parse({})
+    with pytest.raises(ValueError, match="flush_interval_s and max_staged_bytes must be positive"):
+        HookConfig.parse({"store": "/x", "flush_interval_s": 0})
+
+
+def test_wrong_aux_layer_count_is_a_clear_error(tmp_path):
+    model, hook = hooked_model(tmp_path / "store", aux_layers=[1, 2])
+    with pytest.raises(ValueError, match=r"aux_layers \[1, 2\] give 2 x 32 columns, but the model passes 96"):
+        forward(model, ForwardMode.EXTEND, [("x", 0, 4)], {"x": make_sample(4, 1)})
