@@ -121,7 +121,7 @@ class _Staged:
     pieces: Sequence[Piece]
     prompt_lengths: torch.Tensor
     input_ids: torch.Tensor
-    aux: torch.Tensor
+    aux: list[torch.Tensor]  # as the model passed them: one packed [rows, K*H] or K [rows, H]
     final: torch.Tensor
     ready: torch.cuda.Event | None
     nbytes: int
@@ -161,44 +161,40 @@ class Capture:
         rows = max(p.row + p.length for p in pieces)
         aux_parts = [aux] if isinstance(aux, torch.Tensor) else list(aux)
         width = sum(a.shape[-1] for a in aux_parts)
-        nbytes = rows * (width + final.shape[-1]) * final.element_size() + rows * 8
-        self._reserve(nbytes)
         if not torch.is_tensor(prompt_lengths):
             prompt_lengths = torch.tensor(list(prompt_lengths), dtype=torch.int64)
+        nbytes = rows * (width + final.shape[-1]) * final.element_size() + rows * 8
+        self._reserve(nbytes)
         if final.is_cuda:
-            staged = self._stage_cuda(pieces, prompt_lengths, input_ids, aux_parts, final, rows, width, nbytes)
+            staged = self._stage_cuda(pieces, prompt_lengths, input_ids, aux_parts, final, rows, nbytes)
         else:
-            host_aux = torch.cat([a[:rows] for a in aux_parts], dim=-1) if len(aux_parts) > 1 else aux_parts[0][:rows].clone()
-            staged = _Staged(pieces, prompt_lengths.clone(), input_ids[:rows].clone(), host_aux,
-                             final[:rows].clone(), None, nbytes)
+            staged = _Staged(pieces, prompt_lengths.clone(), input_ids[:rows].clone(),
+                             [a[:rows].clone() for a in aux_parts], final[:rows].clone(), None, nbytes)
         with self._cond:
             self._staged.append(staged)
             self._cond.notify_all()
 
-    def _stage_cuda(self, pieces, prompt_lengths, input_ids, aux_parts, final, rows, width, nbytes) -> _Staged:
-        """Copy to pinned host memory on a side stream ordered after the forward; never syncs the forward."""
+    def _stage_cuda(self, pieces, prompt_lengths, input_ids, aux_parts, final, rows, nbytes) -> _Staged:
+        """Copy to pinned host memory on a side stream ordered after the forward; never syncs the forward.
+
+        Each tensor goes to its own contiguous pinned buffer (one DMA each; a strided destination would make
+        the copy synchronous); the aux columns are joined later, on the capture thread.
+        """
         current = torch.cuda.current_stream(final.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(final.device)
         self._stream.wait_stream(current)
-        pinned = dict(dtype=final.dtype, pin_memory=True)
-        host_ids = torch.empty(rows, dtype=input_ids.dtype, pin_memory=True)
-        host_aux = torch.empty(rows, width, **pinned)
-        host_final = torch.empty(rows, final.shape[-1], **pinned)
-        host_lengths = torch.empty(len(prompt_lengths), dtype=prompt_lengths.dtype, pin_memory=True)
+        sources = [input_ids[:rows], final[:rows], prompt_lengths, *(a[:rows] for a in aux_parts)]
+        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sources]
         with torch.cuda.stream(self._stream):
-            host_ids.copy_(input_ids[:rows], non_blocking=True)
-            column = 0
-            for a in aux_parts:
-                host_aux[:, column : column + a.shape[-1]].copy_(a[:rows], non_blocking=True)
-                column += a.shape[-1]
-            host_final.copy_(final[:rows], non_blocking=True)
-            host_lengths.copy_(prompt_lengths, non_blocking=True)
+            for host, source in zip(hosts, sources):
+                host.copy_(source, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._stream)
-        for t in (input_ids, final, prompt_lengths, *aux_parts):
+        for t in sources:
             if t.is_cuda:
                 t.record_stream(self._stream)  # the allocator must not reuse them before the copy ran
+        host_ids, host_final, host_lengths, *host_aux = hosts
         return _Staged(pieces, host_lengths, host_ids, host_aux, host_final, ready, nbytes)
 
     def _reserve(self, nbytes: int) -> None:
@@ -262,8 +258,9 @@ class Capture:
         lengths = staged.prompt_lengths.tolist()
         for piece, prompt_length in zip(staged.pieces, lengths):
             rows = slice(piece.row, piece.row + piece.length)
-            done = self.assembler.add(piece, int(prompt_length), staged.input_ids[rows].clone(),
-                                      staged.aux[rows].clone(), staged.final[rows].clone())
+            aux = torch.cat([a[rows] for a in staged.aux], dim=-1)  # a copy: the staging buffer is reused
+            done = self.assembler.add(piece, int(prompt_length), staged.input_ids[rows].clone(), aux,
+                                      staged.final[rows].clone())
             if done is None:
                 continue
             try:
