@@ -2,6 +2,7 @@
 
 from .errors import (CorruptDataError, DuplicateSampleError, HsdataError, InvalidSampleError, NotAStoreError,
                      SpecMismatchError, UnsupportedFormatError, WriterError)
+from .masks import add_loss_masks
 from .reader import Store, open
 from .spec import FORMAT_VERSION, StoreSpec, TensorSpec
 from .writer import Writer, create
@@ -11,5 +12,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CorruptDataError", "DuplicateSampleError", "FORMAT_VERSION", "HsdataError", "InvalidSampleError",
     "NotAStoreError", "SpecMismatchError", "Store", "StoreSpec", "TensorSpec", "UnsupportedFormatError", "Writer",
-    "WriterError", "create", "open",
+    "WriterError", "add_loss_masks", "create", "open",
 ]

@@ -1,27 +1,22 @@
 """Manifests: Parquet files of committed sample rows. A sample exists once a manifest naming it is written.
 
-Each file is write-once and named ``<part>.<seq>.<xxh3>.parquet``, where ``<xxh3>`` is the xxh3-64 of the
-file's own bytes (16 hex digits), so a reader verifies every manifest before trusting it.
+Each file is write-once and named ``<part>.<seq>.<xxh3>.parquet`` (see tables.py).
 """
 
 from __future__ import annotations
 
-import io
-import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import xxhash
 
+from . import tables
 from .errors import CorruptDataError
 from .layout import MANIFESTS
 from .spec import TENSOR_NAMES
 from .storage import Storage
-
-FILE_NAME = re.compile(r"^(?P<part>[A-Za-z0-9_-]+)\.(?P<seq>\d{8})\.(?P<hash>[0-9a-f]{16})\.parquet$")
 
 
 def hash_column(tensor: str) -> str:
@@ -62,7 +57,8 @@ class Row:
     created: datetime
 
 
-def encode(rows: list[Row]) -> bytes:
+def write(storage: Storage, part: str, seq: int, rows: list[Row]) -> str:
+    """Commit ``rows``: one atomic, write-once manifest file. Returns its key."""
     columns = {
         "sample_id": [r.sample_id for r in rows],
         "part": [r.part for r in rows],
@@ -72,53 +68,30 @@ def encode(rows: list[Row]) -> bytes:
         "created": [r.created for r in rows],
         "meta": [r.meta for r in rows],
     }
-    buf = io.BytesIO()
-    pq.write_table(pa.table(columns, schema=SCHEMA), buf, compression="zstd", write_page_checksum=True)
-    return buf.getvalue()
-
-
-def file_name(part: str, seq: int, data: bytes) -> str:
-    return f"{part}.{seq:08d}.{xxhash.xxh3_64_hexdigest(data)}.parquet"
-
-
-def write(storage: Storage, part: str, seq: int, rows: list[Row]) -> str:
-    """Commit ``rows``: one atomic, write-once manifest file. Returns its key."""
-    data = encode(rows)
-    key = f"{MANIFESTS}/{file_name(part, seq, data)}"
-    storage.write_bytes(key, data)
-    return key
+    return tables.write(storage, MANIFESTS, part, seq, pa.table(columns, schema=SCHEMA))
 
 
 def list_files(storage: Storage) -> list[str]:
-    """Committed manifest file names, in (part, seq) order; anything else in the folder is ignored."""
-    return [n for n in storage.list(MANIFESTS) if FILE_NAME.match(n)]
+    return tables.list_files(storage, MANIFESTS)
 
 
 def decode(name: str, data: bytes, where: str) -> pa.Table:
     """Verify one manifest file against its name and schema; returns its rows."""
-    match = FILE_NAME.match(name)
-    computed = xxhash.xxh3_64_hexdigest(data)
-    if computed != match["hash"]:
-        raise CorruptDataError(f"{where}: manifest checksum mismatch (name says {match['hash']}, bytes hash to {computed})")
-    try:
-        table = pq.read_table(io.BytesIO(data))
-    except (pa.ArrowException, OSError) as e:
-        raise CorruptDataError(f"{where}: unreadable manifest: {e}") from None
-    if not table.schema.equals(SCHEMA, check_metadata=False):
-        raise CorruptDataError(f"{where}: manifest schema differs from hsdata's:\n{table.schema}")
-    parts = table.column("part").unique().to_pylist()
-    if parts not in ([], [match["part"]]):
-        raise CorruptDataError(f"{where}: manifest rows name parts {parts}, file name says {match['part']!r}")
+    table = tables.decode(name, data, SCHEMA, where)
+    _check_part(name, table, where)
     return table
 
 
 def load(storage: Storage) -> pa.Table:
     """All committed rows of the store, verified, in manifest-name order then row order."""
-    names = list_files(storage)
-    keys = [f"{MANIFESTS}/{n}" for n in names]
-    contents = storage.fs.cat([storage.path(k) for k in keys]) if keys else {}
-    tables = [decode(n, contents[storage.path(k)], storage.describe(k)) for n, k in zip(names, keys)]
-    return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+    return tables.load(storage, MANIFESTS, SCHEMA, _check_part)
+
+
+def _check_part(name: str, table: pa.Table, where: str) -> None:
+    parts = table.column("part").unique().to_pylist()
+    writer = tables.FILE_NAME.match(name)["writer"]
+    if parts not in ([], [writer]):
+        raise CorruptDataError(f"{where}: manifest rows name parts {parts}, file name says {writer!r}")
 
 
 def now() -> datetime:

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from . import manifest
+from . import manifest, masks
 from .errors import CorruptDataError
 from .layout import load_spec, shard_key
 from .shard import CRC_NBYTES, ShardRange, token_ranges
@@ -35,14 +35,15 @@ def open(url: str, *, storage_options: dict | None = None, verify: bool = True, 
     bytes are read as ranges of about ``range_bytes``, up to ``io_threads`` at a time.
     """
     storage = Storage(url, storage_options)
-    return Store(storage, load_spec(storage), manifest.load(storage), verify=verify, io_threads=io_threads,
-                 range_bytes=range_bytes)
+    return Store(storage, load_spec(storage), manifest.load(storage), masks.load(storage), verify=verify,
+                 io_threads=io_threads, range_bytes=range_bytes)
 
 
 class Store:
     """A read-only view of the samples committed when the store was opened."""
 
-    def __init__(self, storage: Storage, spec: StoreSpec, rows: pa.Table, *, verify: bool = True,
+    def __init__(self, storage: Storage, spec: StoreSpec, rows: pa.Table, added_masks: dict[str, bytes], *,
+                 verify: bool = True,
                  io_threads: int = DEFAULT_IO_THREADS, range_bytes: int = DEFAULT_RANGE_BYTES):
         if io_threads < 1 or range_bytes < 1:
             raise ValueError(f"io_threads and range_bytes must be positive, got {io_threads} and {range_bytes}")
@@ -61,6 +62,7 @@ class Store:
         self.lengths: np.ndarray = self.manifest.column("num_tokens").to_numpy()
         self._hashes = manifest.row_hashes(self.manifest)
         self._has_loss_mask = manifest.has_loss_mask(self.manifest)
+        self._added_masks = added_masks
 
     @property
     def url(self) -> str:
@@ -109,10 +111,11 @@ class Store:
     def read(self, i: int, fields: Iterable[str] | None = None) -> dict[str, Any]:
         """Sample ``i`` as a dict of torch tensors: ``input_ids`` int64 [T], ``loss_mask`` uint8 [T],
         ``aux_hidden_states`` bfloat16 [T, K*H], ``hidden_states`` bfloat16 [T, H]; ``fields`` picks a subset.
-        ``loss_mask`` is None for a sample written without one (the server hook does not know it)."""
+        ``loss_mask`` comes from the sample, else from masks added later (``hsdata.add_loss_masks``), else is None."""
         i = self._position(i)
         part, offset, length = self.location(i)
         names = _check_fields(fields)
+        added = self._added_masks.get(self._ids[i]) if "loss_mask" in names and not self._has_loss_mask[i] else None
         tensors = [self.spec.tensor(n) for n in names if n != "loss_mask" or self._has_loss_mask[i]]
         buffers = [np.empty(length * t.row_nbytes, np.uint8) for t in tensors]
         reads = []  # (tensor position, key, range, destination), in byte order of each tensor
@@ -133,7 +136,10 @@ class Store:
             raise CorruptDataError(f"sample {self._ids[i]!r}: {e}") from None
         out: dict[str, Any] = {"sample_id": self._ids[i]}
         if "loss_mask" in names and not self._has_loss_mask[i]:
-            out["loss_mask"] = None
+            if added is not None and len(added) != length:
+                raise CorruptDataError(f"sample {self._ids[i]!r}: its added loss mask has {len(added)} tokens, "
+                                       f"the sample {length}")
+            out["loss_mask"] = None if added is None else torch.frombuffer(bytearray(added), dtype=torch.uint8)
         for tensor, buf, hasher in zip(tensors, buffers, hashers):
             if self.verify:
                 self._check_hash(i, tensor, hasher.intdigest())

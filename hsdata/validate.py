@@ -16,8 +16,9 @@ from typing import Callable, Iterator
 import numpy as np
 from crc32c import crc32c
 
-from . import manifest
+from . import manifest, masks, tables
 from .errors import CorruptDataError
+from .masks import MASKS
 from .layout import (MANIFESTS, PARTS, array_document, array_node, group_document, load_spec, metadata_key,
                      part_node, shard_key)
 from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, encode_index, encoded_chunk_nbytes, index_nbytes,
@@ -93,6 +94,7 @@ def validate(url: str, *, storage_options: dict | None = None, workers: int = 4,
     report.samples = sum(len(rows) for rows in rows_by_part.values())
     for part, rows in rows_by_part.items():
         _check_metadata(storage, spec, part, rows, report)
+    _check_added_masks(storage, rows_by_part, report)
     report.leftovers = _leftovers(storage, spec, rows_by_part)
     selected = _select(rows_by_part, sample, seed)
     report.samples_checked = sum(len(rows) for rows in selected.values())
@@ -164,6 +166,23 @@ def _load_rows(storage: Storage, report: Report) -> dict[str, list[_Row]]:
                     "bounds", f"tokens [{after.offset}, {after.end}) overlap sample {before.sample_id!r} "
                     f"[{before.offset}, {before.end})", sample_id=after.sample_id, part=part))
     return by_part
+
+
+def _check_added_masks(storage: Storage, rows_by_part: dict[str, list[_Row]], report: Report) -> None:
+    """Loss-mask tables must be intact, and each mask as long as its committed sample."""
+    lengths = {r.sample_id: (part, r.length) for part, rows in rows_by_part.items() for r in rows}
+    for name in tables.list_files(storage, MASKS):
+        key = f"{MASKS}/{name}"
+        try:
+            table = tables.decode(name, storage.read_bytes(key), masks.SCHEMA, storage.describe(key))
+        except (CorruptDataError, OSError) as e:
+            report.problems.append(Problem("manifest", str(e), key=key))
+            continue
+        for sample_id, mask in zip(table.column("sample_id").to_pylist(), table.column("loss_mask").to_pylist()):
+            part, length = lengths.get(sample_id, (None, len(mask)))
+            if len(mask) != length:
+                report.problems.append(Problem("bounds", f"added loss mask has {len(mask)} tokens, the sample {length}",
+                                               sample_id=sample_id, part=part, key=key))
 
 
 def _check_metadata(storage: Storage, spec: StoreSpec, part: str, rows: list[_Row], report: Report) -> None:
@@ -374,13 +393,14 @@ class _StreamCheck:
 
 def _leftovers(storage: Storage, spec: StoreSpec, rows_by_part: dict[str, list[_Row]]) -> list[str]:
     needed = {metadata_key(PARTS)} | {f"{MANIFESTS}/{n}" for n in manifest.list_files(storage)}
+    needed |= {f"{MASKS}/{n}" for n in tables.list_files(storage, MASKS)}
     for part, rows in rows_by_part.items():
         needed.add(metadata_key(part_node(part)))
         for tensor in spec.tensors:
             needed.add(metadata_key(array_node(part, tensor)))
             needed.update(shard_key(part, tensor, s) for s, _, _ in _chunk_runs(spec, tensor, rows))
     found = []
-    for prefix in (PARTS, MANIFESTS):
+    for prefix in (PARTS, MANIFESTS, MASKS):
         try:
             found += storage.fs.find(storage.path(prefix))
         except FileNotFoundError:

@@ -179,3 +179,23 @@ def test_samples_without_a_loss_mask(store_path):
     from hsdata.validate import validate
 
     assert validate(str(store_path)).ok
+
+
+def test_loss_masks_added_later_fill_in_samples_written_without(store_path):
+    a, b = make_sample(30, 1), make_sample(12, 2)
+    hsdata.add_loss_masks(str(store_path), {"a": a["loss_mask"]})  # before the sample exists: kept for later
+    with hsdata.create(str(store_path), **SPEC) as w:
+        w.add("a", **{**a, "loss_mask": None})
+        w.add("b", **{**b, "loss_mask": None})
+    store = hsdata.open(str(store_path))
+    assert_same(store.get("a"), a)
+    assert store.get("b")["loss_mask"] is None
+    hsdata.add_loss_masks(str(store_path), {"b": b["loss_mask"]})
+    assert_same(hsdata.open(str(store_path)).get("b"), b)
+    with pytest.raises(hsdata.InvalidSampleError, match="sample 'c': a loss mask must be"):
+        hsdata.add_loss_masks(str(store_path), {"c": [0, 2]})
+    hsdata.add_loss_masks(str(store_path), {"short": [1]})
+    with hsdata.create(str(store_path), **SPEC) as w:
+        w.add("short", **{**make_sample(5, 3), "loss_mask": None})
+    with pytest.raises(hsdata.CorruptDataError, match="added loss mask has 1 tokens, the sample 5"):
+        hsdata.open(str(store_path)).get("short")

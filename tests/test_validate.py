@@ -233,3 +233,12 @@ def test_bytes_changed_with_a_valid_crc_are_caught_by_the_sample_hash(store):
     assert report.problems[0].byte_range is not None
     with pytest.raises(hsdata.CorruptDataError, match="sample 's5': hidden_states does not match its checksum"):
         hsdata.open(str(store)).get("s5")
+
+
+def test_added_loss_masks_are_checked(store_path):
+    with hsdata.create(str(store_path), **SPEC) as w:
+        w.add("x", **{**make_sample(8, 1), "loss_mask": None})
+    hsdata.add_loss_masks(str(store_path), {"x": [1, 0, 1]})
+    report = validate(str(store_path))
+    assert [(p.kind, p.sample_id) for p in report.problems] == [("bounds", "x")]
+    assert not report.leftovers
