@@ -12,6 +12,8 @@ from datetime import datetime
 import numpy as np
 from tqdm import tqdm
 
+from .client import extract_from_server
+from .conversations import read_jsonl
 from .errors import HsdataError
 from .reader import Store, open as open_store
 from .storage import Storage
@@ -43,9 +45,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="only files not modified for this long, so live writers keep theirs (3600)")
     _add_storage_options(gc)
 
+    extract = commands.add_parser("extract", help="capture hidden states of a dataset into a store")
+    extract.add_argument("--server", required=True, metavar="URL",
+                         help="a running SGLang server launched with the hsdata hook (docs/server_hook.md)")
+    extract.add_argument("--data", required=True, metavar="FILE.jsonl",
+                         help="ShareGPT (conversations), OpenAI (messages) or pre-tokenized (input_ids) rows")
+    extract.add_argument("--tokenizer", help="tokenizer path or name (chat template); not needed for input_ids rows")
+    extract.add_argument("--out", required=True, help="the store the server's hook writes (path or fsspec URL)")
+    extract.add_argument("--concurrency", type=_positive_int, default=16, help="requests in flight (16)")
+    extract.add_argument("--retries", type=int, default=4, help="retries of a failed request (4)")
+    extract.add_argument("--commit-timeout", type=float, default=120.0, metavar="SECONDS",
+                         help="how long to wait for the last samples to be committed (120)")
+    _add_storage_options(extract)
+
     args = parser.parse_args(argv)
     try:
-        return {"info": _info, "validate": _validate, "gc": _gc}[args.command](args)
+        return {"info": _info, "validate": _validate, "gc": _gc, "extract": _extract}[args.command](args)
     except (HsdataError, OSError, ValueError) as e:
         print(f"hsdata {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -177,6 +192,33 @@ def _gc(args: argparse.Namespace) -> int:
     elif not old:
         print("nothing to delete")
     return 0
+
+
+def _extract(args: argparse.Namespace) -> int:
+    records = list(read_jsonl(args.data))
+    tokenizer = _load_tokenizer(args.tokenizer) if any(r.messages is not None for r in records) else None
+    bar = tqdm(total=len(records), unit="sample", desc="extract", disable=None, file=sys.stderr)
+    summary = extract_from_server(args.server, records, tokenizer, args.out,
+                                  storage_options=_storage_options(args.storage_option),
+                                  concurrency=args.concurrency, retries=args.retries,
+                                  commit_timeout_s=args.commit_timeout, on_sent=bar.update)
+    bar.close()
+    for sample_id, why in summary.failed.items():
+        print(f"failed: sample {sample_id!r}: {why}")
+    print(f"{'OK' if summary.ok else 'FAILED'}: {summary.total:,} samples: {summary.skipped:,} already in the store, "
+          f"{summary.sent:,} sent ({summary.tokens_sent:,} tokens), {summary.committed:,} committed, "
+          f"{len(summary.failed):,} failed, in {summary.seconds:.1f} s")
+    return 0 if summary.ok else 1
+
+
+def _load_tokenizer(name: str | None):
+    if not name:
+        raise ValueError("--tokenizer is needed to apply the chat template to conversations")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError("extraction needs transformers: pip install 'hsdata[extract]'") from None
+    return AutoTokenizer.from_pretrained(name)
 
 
 def _mtime(info: dict) -> float:

@@ -1,0 +1,138 @@
+"""``hsdata extract --server``: drive a running SGLang server (with the hsdata hook) over a dataset.
+
+Each sample goes to ``/generate`` as ``input_ids`` with ``max_new_tokens`` 0, ``rid`` = its sample id and a
+unique ``cache_salt`` (so no prefix is served from the radix cache); the hook stores its hidden states. The loss
+masks, which only the client can know, are added to the store before their requests are sent. The run ends
+when every sample it sent is committed, or reports the ones that are not.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from .conversations import Record, tokenize
+from .errors import NotAStoreError
+from .masks import add_loss_masks
+from .reader import open as open_store
+
+BATCH = 256  # records tokenized, masked and sent together
+
+
+@dataclass
+class Summary:
+    total: int = 0
+    skipped: int = 0  # committed by an earlier run
+    sent: int = 0
+    committed: int = 0
+    tokens_sent: int = 0
+    failed: dict[str, str] = field(default_factory=dict)  # sample id -> why
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+class _PermanentError(Exception):
+    """The server refused the request (4xx): retrying will not help."""
+
+
+def extract_from_server(server: str, records: Iterable[Record], tokenizer: Any, out: str, *,
+                        storage_options: dict | None = None, concurrency: int = 16, retries: int = 4,
+                        request_timeout_s: float = 600.0, commit_timeout_s: float = 120.0,
+                        on_sent: Callable[[int], None] | None = None) -> Summary:
+    """Send every record not yet committed in ``out``; wait for the commits; return what happened."""
+    started = time.monotonic()
+    summary = Summary()
+    done = _committed(out, storage_options)
+    sent: list[str] = []
+    batch: list[Record] = []
+
+    def send_batch(pool: ThreadPoolExecutor) -> None:
+        masks, payloads = {}, []
+        for record in batch:
+            try:
+                ids, mask = tokenize(tokenizer, record)
+            except ValueError as e:
+                summary.failed[record.sample_id] = str(e)
+                continue
+            masks[record.sample_id] = mask
+            payloads.append((record.sample_id, ids))
+        add_loss_masks(out, masks, storage_options=storage_options)  # before the samples can be committed
+        futures = [(sid, len(ids), pool.submit(_generate, server, sid, ids, retries, request_timeout_s))
+                   for sid, ids in payloads]
+        for sid, length, future in futures:
+            try:
+                future.result()
+                sent.append(sid)
+                summary.tokens_sent += length
+            except Exception as e:  # noqa: BLE001 - reported per sample in the summary
+                summary.failed[sid] = f"request failed: {e}"
+            if on_sent is not None:
+                on_sent(1)
+        batch.clear()
+
+    with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="hsdata-client") as pool:
+        for record in records:
+            summary.total += 1
+            if record.sample_id in done:
+                summary.skipped += 1
+                if on_sent is not None:
+                    on_sent(1)
+                continue
+            batch.append(record)
+            if len(batch) >= BATCH:
+                send_batch(pool)
+        send_batch(pool)
+    summary.sent = len(sent)
+    missing = _wait_for_commits(out, storage_options, set(sent), commit_timeout_s)
+    summary.committed = len(sent) - len(missing)
+    for sid in sorted(missing):
+        summary.failed[sid] = (f"sent, but not committed within {commit_timeout_s:g} s (is the hook's store "
+                               f"{out}? see the server's log)")
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _committed(out: str, storage_options: dict | None) -> set[str]:
+    try:
+        return set(open_store(out, storage_options=storage_options).sample_ids)
+    except NotAStoreError:
+        return set()
+
+
+def _wait_for_commits(out: str, storage_options: dict | None, sent: set[str], timeout_s: float) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = sent - _committed(out, storage_options)
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.5)
+
+
+def _generate(server: str, sample_id: str, input_ids: list[int], retries: int, timeout_s: float) -> dict:
+    """POST one prefill-only request; retries connection errors and 5xx with exponential backoff."""
+    body = json.dumps({"input_ids": input_ids, "rid": sample_id, "cache_salt": uuid.uuid4().hex,
+                       "sampling_params": {"max_new_tokens": 0}}).encode()
+    request = urllib.request.Request(f"{server.rstrip('/')}/generate", data=body,
+                                     headers={"Content-Type": "application/json"})
+    for attempt in range(retries + 1):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
+                raise _PermanentError(f"HTTP {e.code}: {e.read()[:200].decode(errors='replace')}") from None
+            error: Exception = e
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            error = e
+        if attempt < retries:
+            time.sleep(min(30.0, 0.5 * 2**attempt))
+    raise error
