@@ -106,7 +106,7 @@ class PrefillHook:
     def _open(self, module: torch.nn.Module, aux, final: torch.Tensor) -> Capture:
         hidden = final.shape[-1]
         width = aux.shape[-1] if isinstance(aux, torch.Tensor) else sum(a.shape[-1] for a in aux)
-        layers = self.config.aux_layers or _server_aux_layers() or _eagle3_default(module)
+        layers = self.config.aux_layers or _server_aux_layers(module) or _eagle3_default(module)
         if len(layers) * hidden != width:
             raise ValueError(f"hsdata hook: aux_layers {layers} give {len(layers)} x {hidden} columns, but the "
                              f"model passes {width}: set \"aux_layers\" in the hook config")
@@ -133,9 +133,24 @@ def _attention_tp_rank() -> int:
         return 0  # no parallel context published: a single process
 
 
-def _server_aux_layers() -> list[int] | None:
+def _server_aux_layers(module: torch.nn.Module) -> list[int] | None:
+    """The server's ``--return-aux-hidden-state-layer-ids`` as "output of layer k" ids.
+
+    SGLang's models capture "output of layer k" for the ids given (they add 1 to get the layer whose input
+    they read), except the DeepSeek-V2/V3 family (Kimi-K2.x included): it adds 1 only when the first id is 1
+    and otherwise reads the ids as "input of layer k" (models/deepseek_v2.py ``set_eagle3_layers_to_capture``).
+    """
     args = _server_args()
-    return list(args.return_aux_hidden_state_layer_ids) if args and args.return_aux_hidden_state_layer_ids else None
+    ids = list(args.return_aux_hidden_state_layer_ids) if args and args.return_aux_hidden_state_layer_ids else None
+    if ids and ids[0] != 1 and _is_deepseek_family(module):
+        return [k - 1 for k in ids]
+    return ids
+
+
+def _is_deepseek_family(module: torch.nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    names = [str(getattr(config, "model_type", "")), *map(str, getattr(config, "architectures", None) or [])]
+    return any("deepseek" in n.lower() or "kimi" in n.lower() for n in names)
 
 
 def _server_model() -> str | None:

@@ -187,3 +187,20 @@ def test_wrong_aux_layer_count_is_a_clear_error(tmp_path):
     model, hook = hooked_model(tmp_path / "store", aux_layers=[1, 2])
     with pytest.raises(ValueError, match=r"aux_layers \[1, 2\] give 2 x 32 columns, but the model passes 96"):
         forward(model, ForwardMode.EXTEND, [("x", 0, 4)], {"x": make_sample(4, 1)})
+
+
+def test_aux_layer_ids_follow_each_model_familys_convention():
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from server_hook import sglang as hook_module
+
+    deepseek = SimpleNamespace(config=SimpleNamespace(model_type="deepseek_v3", num_hidden_layers=61))
+    llama = SimpleNamespace(config=SimpleNamespace(model_type="llama", num_hidden_layers=32))
+    for ids, module, expected in [([1, 29, 57], deepseek, [1, 29, 57]), ([2, 30, 58], deepseek, [1, 29, 57]),
+                                  ([2, 30, 58], llama, [2, 30, 58]), (None, llama, None)]:
+        args = SimpleNamespace(return_aux_hidden_state_layer_ids=ids)
+        with mock.patch.object(hook_module, "_server_args", return_value=args):
+            assert hook_module._server_aux_layers(module) == expected
+    assert hook_module._eagle3_default(llama) == [1, 15, 28]
+    assert hook_module._eagle3_default(deepseek) == [1, 29, 57]
