@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -130,10 +130,14 @@ class _Staged:
 class Capture:
     """Stages prefill rows on the forward's thread, assembles and writes them on its own thread."""
 
-    def __init__(self, writer: Writer, *, flush_interval_s: float = 5.0, max_staged_bytes: int = 4 << 30):
+    def __init__(self, writer: Writer, *, flush_interval_s: float = 5.0, max_staged_bytes: int = 4 << 30,
+                 loss_masks: Mapping[str, Any] | None = None):
+        """``loss_masks`` gives samples their mask when the front end knows it (an in-process engine); the
+        server hook does not, and its client adds masks to the store instead."""
         if flush_interval_s <= 0 or max_staged_bytes <= 0:
             raise ValueError("flush_interval_s and max_staged_bytes must be positive")
         self.writer = writer
+        self.loss_masks = loss_masks or {}
         self.flush_interval_s = flush_interval_s
         self.max_staged_bytes = max_staged_bytes
         self.assembler = Assembler()
@@ -264,7 +268,7 @@ class Capture:
             if done is None:
                 continue
             try:
-                self.writer.add(done.sample_id, input_ids=done.input_ids, loss_mask=None,
+                self.writer.add(done.sample_id, input_ids=done.input_ids, loss_mask=self.loss_masks.get(done.sample_id),
                                 aux_hidden_states=done.aux_hidden_states, hidden_states=done.hidden_states)
             except InvalidSampleError as e:  # e.g. a request id already committed: that sample stays as it was
                 log.warning("hsdata: request not stored: %s", e)

@@ -46,16 +46,30 @@ def main(argv: list[str] | None = None) -> int:
     _add_storage_options(gc)
 
     extract = commands.add_parser("extract", help="capture hidden states of a dataset into a store")
-    extract.add_argument("--server", required=True, metavar="URL",
-                         help="a running SGLang server launched with the hsdata hook (docs/server_hook.md)")
-    extract.add_argument("--data", required=True, metavar="FILE.jsonl",
-                         help="ShareGPT (conversations), OpenAI (messages) or pre-tokenized (input_ids) rows")
-    extract.add_argument("--tokenizer", help="tokenizer path or name (chat template); not needed for input_ids rows")
-    extract.add_argument("--out", required=True, help="the store the server's hook writes (path or fsspec URL)")
-    extract.add_argument("--concurrency", type=_positive_int, default=16, help="requests in flight (16)")
-    extract.add_argument("--retries", type=int, default=4, help="retries of a failed request (4)")
+    source = extract.add_mutually_exclusive_group()
+    source.add_argument("--server", metavar="URL",
+                        help="a running SGLang server launched with the hsdata hook (docs/server_hook.md)")
+    source.add_argument("--engine", choices=["hf"], default="hf",
+                        help="run a transformers model in this process (the default)")
+    extract.add_argument("--model", metavar="PATH_OR_CONFIG",
+                         help="--engine hf: a local model folder, or a config.json for random weights; "
+                              "default: the embedded demo model")
+    extract.add_argument("--data", metavar="FILE.jsonl",
+                         help="ShareGPT (conversations), OpenAI (messages) or pre-tokenized (input_ids) rows; "
+                              "default with the demo model: its shipped conversations")
+    extract.add_argument("--tokenizer", help="tokenizer path (chat template); default: the model's")
+    extract.add_argument("--out", required=True, help="the store to write (path or fsspec URL)")
+    extract.add_argument("--aux-layers", type=int, nargs="+", metavar="K",
+                         help="--engine hf: \"output of layer k\" ids (default: EAGLE-3's [1, N//2-1, N-4])")
+    extract.add_argument("--device", default="cpu", help="--engine hf: torch device (cpu)")
+    extract.add_argument("--dtype", default="bfloat16", choices=["bfloat16"], help="--engine hf: model dtype")
+    extract.add_argument("--max-batch-tokens", type=_positive_int, default=8192,
+                         help="--engine hf: padded tokens per forward (8192)")
+    extract.add_argument("--seed", type=int, default=0, help="--engine hf: seed of random weights (0)")
+    extract.add_argument("--concurrency", type=_positive_int, default=16, help="--server: requests in flight (16)")
+    extract.add_argument("--retries", type=int, default=4, help="--server: retries of a failed request (4)")
     extract.add_argument("--commit-timeout", type=float, default=120.0, metavar="SECONDS",
-                         help="how long to wait for the last samples to be committed (120)")
+                         help="--server: how long to wait for the last samples to be committed (120)")
     _add_storage_options(extract)
 
     args = parser.parse_args(argv)
@@ -195,6 +209,12 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _extract(args: argparse.Namespace) -> int:
+    return _extract_from_server(args) if args.server else _extract_in_process(args)
+
+
+def _extract_from_server(args: argparse.Namespace) -> int:
+    if not args.data:
+        raise ValueError("--server needs --data")
     records = list(read_jsonl(args.data))
     tokenizer = _load_tokenizer(args.tokenizer) if any(r.messages is not None for r in records) else None
     bar = tqdm(total=len(records), unit="sample", desc="extract", disable=None, file=sys.stderr)
@@ -211,13 +231,50 @@ def _extract(args: argparse.Namespace) -> int:
     return 0 if summary.ok else 1
 
 
+def _extract_in_process(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import demo, engine_hf
+
+    if args.model is None:
+        tokenizer = demo.tokenizer()
+        model, name = demo.model(len(tokenizer), seed=args.seed), demo.MODEL_NAME
+        data = args.data or demo.data_path()
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if not args.data:
+            raise ValueError("--model needs --data")
+        data, name = args.data, args.model
+        if args.model.endswith(".json"):
+            torch.manual_seed(args.seed)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True)
+        tokenizer = None
+    model = model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+    records = list(read_jsonl(data))
+    if tokenizer is None and any(r.messages is not None for r in records):
+        tokenizer = _load_tokenizer(args.tokenizer or (None if args.model.endswith(".json") else args.model))
+    bar = tqdm(unit="tok", unit_scale=True, desc="extract", disable=None, file=sys.stderr)
+    summary = engine_hf.extract(model, tokenizer, records, args.out, model_name=name, aux_layers=args.aux_layers,
+                                max_batch_tokens=args.max_batch_tokens,
+                                storage_options=_storage_options(args.storage_option), on_tokens=bar.update)
+    bar.close()
+    for sample_id, why in summary.failed.items():
+        print(f"failed: sample {sample_id!r}: {why}")
+    rate = summary.tokens / max(summary.seconds, 1e-9)
+    print(f"{'OK' if summary.ok else 'FAILED'}: {summary.total:,} samples: {summary.skipped:,} already in the store, "
+          f"{summary.written:,} written ({summary.tokens:,} tokens, {rate:,.0f} tokens/s), "
+          f"{len(summary.failed):,} failed, in {summary.seconds:.1f} s")
+    return 0 if summary.ok else 1
+
+
 def _load_tokenizer(name: str | None):
     if not name:
         raise ValueError("--tokenizer is needed to apply the chat template to conversations")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ValueError("extraction needs transformers: pip install 'hsdata[extract]'") from None
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(name)
 
 

@@ -1,0 +1,136 @@
+"""``hsdata extract --engine hf``: run a transformers causal LM in-process and store its prefill hidden states.
+
+Forward hooks on the decoder layers (aux: "output of layer k") and on the final norm (post-norm final state)
+feed the same :class:`hsdata.capture.Capture` path as the SGLang hook: one implementation, two front ends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from . import writer as writer_module
+from .capture import Capture, Piece
+from .conversations import Record, tokenize
+from .errors import NotAStoreError
+from .reader import open as open_store
+
+
+@dataclass
+class EngineSummary:
+    total: int = 0
+    skipped: int = 0
+    written: int = 0
+    tokens: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def eagle3_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's default capture points as "output of layer k" ids."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, torch.nn.Module]:
+    """The decoder layers and the final norm of a transformers causal LM (``model.model.layers/norm``)."""
+    base = getattr(model, "model", model)
+    layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
+    if layers is None or norm is None:
+        raise ValueError(f"{type(model).__name__}: expected .model.layers and .model.norm (a Llama-style decoder)")
+    return layers, norm
+
+
+def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], out: str, *, model_name: str,
+            aux_layers: list[int] | None = None, max_batch_tokens: int = 8192, storage_options: dict | None = None,
+            on_tokens: Callable[[int], None] | None = None) -> EngineSummary:
+    """Tokenize, batch by length, run ``model`` and store every record not yet committed in ``out``."""
+    started = time.monotonic()
+    summary = EngineSummary()
+    layers, norm = decoder_parts(model)
+    aux_layers = aux_layers or eagle3_layers(len(layers))
+    if max(aux_layers) >= len(layers):
+        raise ValueError(f"aux_layers {aux_layers}: the model has {len(layers)} layers (ids are 0-based)")
+    try:
+        done = set(open_store(out, storage_options=storage_options).sample_ids)
+    except NotAStoreError:
+        done = set()
+    todo: list[tuple[str, list[int]]] = []
+    masks: dict[str, list[int]] = {}
+    for record in records:
+        summary.total += 1
+        if record.sample_id in done:
+            summary.skipped += 1
+            continue
+        try:
+            ids, mask = tokenize(tokenizer, record)
+        except ValueError as e:
+            summary.failed[record.sample_id] = str(e)
+            continue
+        todo.append((record.sample_id, ids))
+        masks[record.sample_id] = mask
+    hidden = norm.weight.shape[-1]
+    store_writer = writer_module.create(out, hidden_size=hidden, aux_layers=aux_layers, model=model_name,
+                                        storage_options=storage_options)
+    capture = Capture(store_writer, loss_masks=masks)
+    captured: dict[str, torch.Tensor] = {}
+    hooks = [layers[k].register_forward_hook(_keep(captured, f"aux{k}")) for k in aux_layers]
+    hooks.append(norm.register_forward_hook(_keep(captured, "final")))
+    device = next(model.parameters()).device
+    base = getattr(model, "model", model)  # the decoder stack: no logits are needed
+    try:
+        with torch.inference_mode():
+            for batch in _batches(todo, max_batch_tokens):
+                width = max(len(ids) for _, ids in batch)
+                input_ids = torch.zeros(len(batch), width, dtype=torch.int64)
+                attention = torch.zeros(len(batch), width, dtype=torch.int64)
+                for b, (_, ids) in enumerate(batch):
+                    input_ids[b, : len(ids)] = torch.tensor(ids)
+                    attention[b, : len(ids)] = 1
+                t0 = time.monotonic()
+                base(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False)
+                pieces = [Piece(sid, 0, b * width, len(ids)) for b, (sid, ids) in enumerate(batch)]
+                flat = [captured[f"aux{k}"].reshape(len(batch) * width, -1) for k in aux_layers]
+                capture.add_forward(pieces, [len(ids) for _, ids in batch], input_ids.reshape(-1).to(device), flat,
+                                    captured["final"].reshape(len(batch) * width, -1))
+                summary.forward_seconds += time.monotonic() - t0
+                tokens = sum(len(ids) for _, ids in batch)
+                summary.tokens += tokens
+                if on_tokens is not None:
+                    on_tokens(tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        capture.close()
+    summary.written = capture.samples_written
+    committed = set(open_store(out, storage_options=storage_options).sample_ids)
+    for sid, _ in todo:
+        if sid not in committed and sid not in summary.failed:
+            summary.failed[sid] = "not committed (see the log)"
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _keep(captured: dict, name: str):
+    def hook(_module, _args, output):
+        captured[name] = output[0] if isinstance(output, tuple) else output
+    return hook
+
+
+def _batches(todo: list[tuple[str, list[int]]], max_batch_tokens: int):
+    """Samples sorted by length, grouped so that batch size x longest sample stays within ``max_batch_tokens``."""
+    batch: list[tuple[str, list[int]]] = []
+    for item in sorted(todo, key=lambda t: len(t[1])):
+        if batch and (len(batch) + 1) * len(item[1]) > max_batch_tokens:
+            yield batch
+            batch = []
+        batch.append(item)
+    if batch:
+        yield batch
