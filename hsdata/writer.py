@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import threading
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
 
@@ -152,6 +152,7 @@ class Writer:
                     self._part.flush()
                 request.set_result(None)
                 if kind != "flush":
+                    self._part.shutdown()
                     return
                 request = None
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the queue
@@ -159,6 +160,7 @@ class Writer:
             if request is not None:
                 request.set_exception(e)
             self._part.abort()
+            self._part.shutdown()
 
 
 class _PendingQueue:
@@ -220,14 +222,12 @@ class _PartWriter:
         self._uncommitted: list[manifest.Row] = []
         self._seq = 0
         self._array_tokens = 0  # shape last written to the arrays' zarr.json
+        self._pool = ThreadPoolExecutor(len(spec.tensors), thread_name_prefix=f"hsdata-shard-{part}")
 
     def append(self, sample: inputs.Sample) -> None:
+        """Stream the sample's rows into the open shard(s); each tensor on its own thread (hash, crc32c and
+        writes release the GIL), the shard files closed and committed in step at shard boundaries."""
         start, total, shard_tokens = self._next_token, sample.num_tokens, self.spec.shard_tokens
-        hashes = {name: manifest.content_hash(array) for name, array in sample.arrays.items()}
-        if not sample.has_loss_mask:
-            hashes["loss_mask"] = None
-        self._uncommitted.append(manifest.Row(sample.sample_id, self.part, start, total, hashes, sample.meta,
-                                              manifest.now()))
         done = 0
         while done < total:
             position = start + done
@@ -235,13 +235,24 @@ class _PartWriter:
             if self._shard is None:
                 self._open_shard(shard)
             count = min(total - done, (shard + 1) * shard_tokens - position)
-            for name, array in sample.arrays.items():
-                self._files[name][1].write(memoryview(array[done : done + count]))
+            first = done == 0
+            tasks = {name: self._pool.submit(self._write_rows, name, array, done, count, first)
+                     for name, array in sample.arrays.items()}
+            hashes = {name: task.result() for name, task in tasks.items()}
+            if first:
+                if not sample.has_loss_mask:
+                    hashes["loss_mask"] = None
+                self._uncommitted.append(manifest.Row(sample.sample_id, self.part, start, total, hashes,
+                                                      sample.meta, manifest.now()))
             done += count
             self._next_token = position + count
             if self._next_token % shard_tokens == 0:
                 self._close_shard()
                 self._commit()
+
+    def _write_rows(self, name: str, array, first_row: int, count: int, with_hash: bool) -> int | None:
+        self._files[name][1].write(memoryview(array[first_row : first_row + count]))
+        return manifest.content_hash(array) if with_hash else None
 
     def flush(self) -> None:
         """Close the open shard, even if partly filled (the next sample starts in a new shard), and commit."""
@@ -249,6 +260,9 @@ class _PartWriter:
             self._next_token = (self._shard + 1) * self.spec.shard_tokens
             self._close_shard()
         self._commit()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
 
     def abort(self) -> None:
         """Discard the open shard's partial files (best effort: this runs after failures too)."""
