@@ -40,12 +40,7 @@ def main() -> None:
         started = time.perf_counter()
         with torch.inference_mode():
             for batch in batches:
-                width = max(len(ids) for _, ids in batch)
-                ids = torch.zeros(len(batch), width, dtype=torch.int64)
-                mask = torch.zeros(len(batch), width, dtype=torch.int64)
-                for b, (_, x) in enumerate(batch):
-                    ids[b, : len(x)] = torch.tensor(x)
-                    mask[b, : len(x)] = 1
+                ids, mask = engine_hf.pad_batch(batch)
                 model(input_ids=ids.cuda(), attention_mask=mask.cuda(), use_cache=False)
         torch.cuda.synchronize()
         return time.perf_counter() - started

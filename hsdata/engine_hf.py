@@ -88,12 +88,8 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
     try:
         with torch.inference_mode():
             for batch in _batches(todo, max_batch_tokens):
-                width = max(len(ids) for _, ids in batch)
-                input_ids = torch.zeros(len(batch), width, dtype=torch.int64)
-                attention = torch.zeros(len(batch), width, dtype=torch.int64)
-                for b, (_, ids) in enumerate(batch):
-                    input_ids[b, : len(ids)] = torch.tensor(ids)
-                    attention[b, : len(ids)] = 1
+                input_ids, attention = pad_batch(batch)
+                width = input_ids.shape[1]
                 t0 = time.monotonic()
                 base(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False)
                 pieces = [Piece(sid, 0, b * width, len(ids)) for b, (sid, ids) in enumerate(batch)]
@@ -116,6 +112,17 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
             summary.failed[sid] = "not committed (see the log)"
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def pad_batch(batch: list[tuple[str, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` [B, longest] of a batch, right-padded with token 0."""
+    width = max(len(ids) for _, ids in batch)
+    input_ids = torch.zeros(len(batch), width, dtype=torch.int64)
+    attention = torch.zeros(len(batch), width, dtype=torch.int64)
+    for b, (_, ids) in enumerate(batch):
+        input_ids[b, : len(ids)] = torch.tensor(ids)
+        attention[b, : len(ids)] = 1
+    return input_ids, attention
 
 
 def _keep(captured: dict, name: str):

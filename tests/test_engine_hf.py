@@ -27,12 +27,7 @@ def model(tokenizer):
 
 def reference(model, batch):
     """transformers' output_hidden_states for one padded batch, exactly as the engine builds it."""
-    width = max(len(ids) for _, ids in batch)
-    input_ids = torch.zeros(len(batch), width, dtype=torch.int64)
-    attention = torch.zeros(len(batch), width, dtype=torch.int64)
-    for b, (_, ids) in enumerate(batch):
-        input_ids[b, : len(ids)] = torch.tensor(ids)
-        attention[b, : len(ids)] = 1
+    input_ids, attention = engine_hf.pad_batch(batch)
     with torch.inference_mode():
         out = model(input_ids=input_ids, attention_mask=attention, output_hidden_states=True)
     return out.hidden_states
