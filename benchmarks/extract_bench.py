@@ -33,7 +33,7 @@ def main() -> None:
         records.append(Record(f"s{len(records):06d}", input_ids=[rng.randrange(128256) for _ in range(n)]))
         total += n
     model = build_model()
-    batches = list(engine_hf._batches([(r.sample_id, r.input_ids) for r in records], args.max_batch_tokens))
+    batches = list(engine_hf.batches_by_length([(r.sample_id, r.input_ids) for r in records], args.max_batch_tokens))
 
     def forward_only() -> float:
         torch.cuda.synchronize()

@@ -87,7 +87,7 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
     base = getattr(model, "model", model)  # the decoder stack: no logits are needed
     try:
         with torch.inference_mode():
-            for batch in _batches(todo, max_batch_tokens):
+            for batch in batches_by_length(todo, max_batch_tokens):
                 input_ids, attention = pad_batch(batch)
                 width = input_ids.shape[1]
                 t0 = time.monotonic()
@@ -131,7 +131,7 @@ def _keep(captured: dict, name: str):
     return hook
 
 
-def _batches(todo: list[tuple[str, list[int]]], max_batch_tokens: int):
+def batches_by_length(todo: list[tuple[str, list[int]]], max_batch_tokens: int):
     """Samples sorted by length, grouped so that batch size x longest sample stays within ``max_batch_tokens``."""
     batch: list[tuple[str, list[int]]] = []
     for item in sorted(todo, key=lambda t: len(t[1])):

@@ -44,7 +44,7 @@ def test_stored_states_equal_transformers_hidden_states(tmp_path, model, tokeniz
     layers = [1, 3, 4]  # EAGLE-3's defaults for 8 layers, "output of layer k"
     assert list(store.spec.aux_layers) == layers and store.spec.layer_convention == "output_of_layer"
     todo = [(r.sample_id, tokenize(tokenizer, r)[0]) for r in records]
-    batches = list(engine_hf._batches(todo, max_batch_tokens))
+    batches = list(engine_hf.batches_by_length(todo, max_batch_tokens))
     assert (len(batches) == len(records)) == (max_batch_tokens == 1)
     for batch in batches:
         hidden = reference(model, batch)
