@@ -1,0 +1,102 @@
+"""Samples through a torch DataLoader: hsdata's Eagle3Dataset vs per-sample ``torch.save`` files read the way
+SpecForge's offline dataset reads them (``torch.load`` of one file per sample), vs raw reads of the same bytes.
+
+The same samples in the same random order for all three; DataLoader with ``--workers`` worker processes,
+batch size 1. Cold passes drop the page cache first (root); warm passes follow an untimed pass.
+
+    python benchmarks/dataset_bench.py --dir /tmp/hsbench-dataset --gib 3 --workers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from hsdata.torch import Eagle3Dataset
+from read_bench import build, drop_caches, make_lengths, read_raw, sample_arrays
+
+
+class TorchSaveDir(Dataset):
+    """SpecForge-style offline data: ``rows_<g>-<g+2000>/data_<i>.ckpt`` holding one sample's dict."""
+
+    def __init__(self, root: str, count: int):
+        self.paths = [os.path.join(root, f"rows_{i // 2000 * 2000}-{i // 2000 * 2000 + 2000}", f"data_{i}.ckpt")
+                      for i in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> dict:
+        return torch.load(self.paths[i], weights_only=False)
+
+
+def write_torch_save_dir(root: str, lengths: list[int], hidden: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(0, 2**16, 2 * max(lengths) * 3 * hidden, dtype=np.uint16)
+    for i, n in enumerate(lengths):
+        s = sample_arrays(pool, rng, n, hidden, 3)
+        path = TorchSaveDir(root, i + 1).paths[i]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"input_ids": s["input_ids"].long(), "loss_mask": s["loss_mask"].long(),
+                    "aux_hidden_state": s["aux_hidden_states"].unsqueeze(0).clone(),
+                    "hidden_state": s["hidden_states"].unsqueeze(0).clone()}, path)
+
+
+def through_loader(dataset: Dataset, order, workers: int) -> int:
+    loader = DataLoader(dataset, batch_size=None, sampler=[int(i) for i in order], num_workers=workers)
+    total = 0
+    for item in loader:
+        total += sum(v.numel() * v.element_size() for v in item.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--gib", type=float, default=3.0)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    lengths = make_lengths(np.random.default_rng(0), int(args.gib * 2**30 / (8 * args.hidden + 5)))
+    built = build(args.dir, lengths, args.hidden, 3, [None], 0)
+    saves = os.path.join(args.dir, "torch-save")
+    write_torch_save_dir(saves, lengths, args.hidden, 0)
+    order = np.random.default_rng(1).permutation(len(lengths))
+    methods = {
+        "raw pread (same bytes)": lambda: read_raw(built["flat"], built["ranges"], order),
+        f"hsdata Eagle3Dataset, {args.workers} workers": lambda: through_loader(
+            Eagle3Dataset(built["stores"][None]), order, args.workers),
+        f"torch.save per sample, {args.workers} workers": lambda: through_loader(
+            TorchSaveDir(saves, len(lengths)), order, args.workers),
+    }
+    gb = built["bytes"] / 1e9
+    print(f"{len(lengths)} samples, {sum(lengths)} tokens, {gb:.2f} GB, hidden {args.hidden}")
+    for mode in ("cold", "warm"):
+        times = {name: [] for name in methods}
+        for _ in range(args.repeat):
+            for name, run in methods.items():
+                if mode == "cold":
+                    drop_caches()
+                else:
+                    run()
+                started = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - started)
+        raw = float(np.median(times["raw pread (same bytes)"]))
+        for name, t in times.items():
+            seconds = float(np.median(t))
+            print(f"{mode:4} {name:36} {seconds:6.2f} s  {len(lengths) / seconds:7.1f} samples/s  "
+                  f"{gb / seconds:5.2f} GB/s  x raw {raw / seconds:4.2f}   (all {[round(x, 2) for x in t]})")
+
+
+if __name__ == "__main__":
+    main()
