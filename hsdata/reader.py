@@ -108,16 +108,21 @@ class Store:
     def get(self, sample_id: str, fields: Iterable[str] | None = None) -> dict[str, Any]:
         return self.read(self.index(sample_id), fields)
 
-    def read(self, i: int, fields: Iterable[str] | None = None) -> dict[str, Any]:
+    def read(self, i: int, fields: Iterable[str] | None = None, *, shared: bool = False) -> dict[str, Any]:
         """Sample ``i`` as a dict of torch tensors: ``input_ids`` int64 [T], ``loss_mask`` uint8 [T],
         ``aux_hidden_states`` bfloat16 [T, K*H], ``hidden_states`` bfloat16 [T, H]; ``fields`` picks a subset.
-        ``loss_mask`` comes from the sample, else from masks added later (``hsdata.add_loss_masks``), else is None."""
+        ``loss_mask`` comes from the sample, else from masks added later (``hsdata.add_loss_masks``), else is None.
+        With ``shared``, tensors are read straight into shared memory, so a DataLoader worker sends them to the
+        main process without copying."""
         i = self._position(i)
         part, offset, length = self.location(i)
         names = _check_fields(fields)
         added = self._added_masks.get(self._ids[i]) if "loss_mask" in names and not self._has_loss_mask[i] else None
         tensors = [self.spec.tensor(n) for n in names if n != "loss_mask" or self._has_loss_mask[i]]
-        buffers = [np.empty(length * t.row_nbytes, np.uint8) for t in tensors]
+        outputs = [torch.empty(length * t.row_nbytes, dtype=torch.uint8) for t in tensors]
+        if shared:
+            outputs = [o.share_memory_() for o in outputs]
+        buffers = [o.numpy() for o in outputs]
         reads = []  # (tensor position, key, range, destination), in byte order of each tensor
         for k, (tensor, buf) in enumerate(zip(tensors, buffers)):
             start = 0
@@ -140,10 +145,10 @@ class Store:
                 raise CorruptDataError(f"sample {self._ids[i]!r}: its added loss mask has {len(added)} tokens, "
                                        f"the sample {length}")
             out["loss_mask"] = None if added is None else torch.frombuffer(bytearray(added), dtype=torch.uint8)
-        for tensor, buf, hasher in zip(tensors, buffers, hashers):
+        for tensor, output, hasher in zip(tensors, outputs, hashers):
             if self.verify:
                 self._check_hash(i, tensor, hasher.intdigest())
-            value = torch.from_numpy(buf).view(_TORCH_DTYPES[tensor.data_type])
+            value = output.view(_TORCH_DTYPES[tensor.data_type])
             if tensor.width is not None:
                 value = value.view(-1, tensor.width)
             out[tensor.name] = value.to(torch.int64) if tensor.name == "input_ids" else value

@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from . import sampling
 from .reader import Store, open as open_store
@@ -46,7 +46,7 @@ class Eagle3Dataset(Dataset):
         return len(self.lengths)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        sample = self.store[int(i)]
+        sample = self.store.read(int(i), shared=get_worker_info() is not None)  # no copy to send it back
         n = len(sample["input_ids"]) if self.max_length is None else min(self.max_length, len(sample["input_ids"]))
         mask = sample["loss_mask"]
         if mask is None:
