@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import time
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from hsdata.torch import Eagle3Dataset
-from read_bench import build, drop_caches, make_lengths, read_raw, sample_arrays
+from read_bench import build, interleaved_times, make_lengths, read_raw, sample_arrays
 
 
 class TorchSaveDir(Dataset):
@@ -81,16 +80,7 @@ def main() -> None:
     gb = built["bytes"] / 1e9
     print(f"{len(lengths)} samples, {sum(lengths)} tokens, {gb:.2f} GB, hidden {args.hidden}")
     for mode in ("cold", "warm"):
-        times = {name: [] for name in methods}
-        for _ in range(args.repeat):
-            for name, run in methods.items():
-                if mode == "cold":
-                    drop_caches()
-                else:
-                    run()
-                started = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - started)
+        times = interleaved_times(methods, mode=mode, repeat=args.repeat)
         raw = float(np.median(times["raw pread (same bytes)"]))
         for name, t in times.items():
             seconds = float(np.median(t))

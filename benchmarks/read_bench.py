@@ -17,6 +17,7 @@ import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import torch
@@ -92,6 +93,25 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
+def interleaved_times(methods: dict, *, mode: str, repeat: int, check=None) -> dict[str, list[float]]:
+    """Seconds of each ``methods[name]()`` over ``repeat`` interleaved passes (so drifts of the machine hit
+    every method alike). ``cold`` drops the page cache before each pass, ``warm`` runs an untimed pass first;
+    ``check(name, result)`` sees what each timed pass returned."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeat):
+        for name, run in methods.items():
+            if mode == "cold":
+                drop_caches()
+            else:
+                run()
+            started = time.perf_counter()
+            result = run()
+            times[name].append(time.perf_counter() - started)
+            if check is not None:
+                check(name, result)
+    return times
+
+
 def read_raw(flat: str, ranges: list[dict], order) -> int:
     fd = os.open(flat, os.O_RDONLY)
     total = 0
@@ -159,12 +179,6 @@ def ranges_per_sample(path: str) -> float:
     return float(np.mean(counts))
 
 
-def timed(fn, *args) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    nbytes = fn(*args)
-    return time.perf_counter() - t0, nbytes
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", required=True, help="scratch directory (emptied)")
@@ -201,16 +215,11 @@ def main() -> None:
             methods.append((f"hsdata ct={ct}", read_hsdata, (path, order, *io)))
             if not args.skip_zarr:
                 methods.append((f"zarr-python ct={ct}", read_zarr, (path, order)))
-        times = {name: [] for name, _, _ in methods}
-        for _ in range(args.repeat):  # interleaved, so drifts in the machine hit every method alike
-            for name, fn, fargs in methods:
-                if mode == "cold":
-                    drop_caches()
-                else:
-                    fn(*fargs)
-                seconds, nbytes = timed(fn, *fargs)
-                assert nbytes == built["bytes"], (name, nbytes, built["bytes"])
-                times[name].append(seconds)
+        def check(name, nbytes):
+            assert nbytes == built["bytes"], (name, nbytes, built["bytes"])
+
+        times = interleaved_times({name: partial(fn, *fargs) for name, fn, fargs in methods}, mode=mode,
+                                  repeat=args.repeat, check=check)
         for name, samples in times.items():
             seconds = float(np.median(samples))
             results.append({"mode": mode, "method": name, "seconds": seconds, "gb_per_s": gb / seconds,

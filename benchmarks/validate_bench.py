@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from hsdata.validate import validate
-from read_bench import build, drop_caches, make_lengths
+from read_bench import build, interleaved_times, make_lengths
 
 BLOCK = 64 << 20
 
@@ -60,14 +59,10 @@ def main() -> None:
         f"raw read {args.workers} threads": lambda: read_files(files, args.workers),
         f"hsdata validate --workers {args.workers}": lambda: validate(store, workers=args.workers).bytes_checked,
     }
-    times = {name: [] for name in methods}
-    for _ in range(args.repeat):
-        for name, run in methods.items():
-            drop_caches()
-            started = time.perf_counter()
-            result = run()
-            times[name].append(time.perf_counter() - started)
-            assert result > 0.99 * nbytes, (name, result, nbytes)
+    def check(name, result):
+        assert result > 0.99 * nbytes, (name, result, nbytes)
+
+    times = interleaved_times(methods, mode="cold", repeat=args.repeat, check=check)
     print(f"{len(files)} shard files, {nbytes / 1e9:.2f} GB, {len(lengths)} samples; cold page cache, median of "
           f"{args.repeat}")
     base = {name: float(np.median(t)) for name, t in times.items()}

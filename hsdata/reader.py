@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from . import manifest, masks
+from . import manifest, masks, sampling
 from .errors import CorruptDataError
 from .layout import load_spec, shard_key
 from .shard import CRC_NBYTES, ShardRange, token_ranges
@@ -153,6 +153,10 @@ class Store:
                 value = value.view(-1, tensor.width)
             out[tensor.name] = value.to(torch.int64) if tensor.name == "input_ids" else value
         return out
+
+    def storage_order(self) -> np.ndarray:
+        """Sample positions in the order their bytes lie on disk (part, then token offset)."""
+        return sampling.storage_order(self._part_of, self._offsets)
 
     def location(self, i: int) -> tuple[str, int, int]:
         """``(part, token_offset, num_tokens)`` of sample ``i`` in the part's arrays."""

@@ -74,10 +74,7 @@ class ShardAwareSampler(Sampler[int]):
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if distributed else 0)
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if distributed else 1)
-        store = dataset.store
-        parts = store.manifest.column("part").combine_chunks().dictionary_encode().indices.to_numpy(
-            zero_copy_only=False)
-        self._storage = sampling.storage_order(parts, store.manifest.column("token_offset").to_numpy())
+        self._storage = dataset.store.storage_order()
         self.shuffle, self.seed, self.block_size, self.window, self.drop_last = shuffle, seed, block_size, window, drop_last
         self.epoch = 0
         self._start = 0  # global position in the epoch's order where this pass begins
