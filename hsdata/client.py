@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 from .conversations import Record, tokenize
 from .errors import NotAStoreError
 from .masks import add_loss_masks
@@ -53,6 +55,7 @@ def extract_from_server(server: str, records: Iterable[Record], tokenizer: Any, 
     summary = Summary()
     done = _committed(out, storage_options)
     sent: list[str] = []
+    payloads_sent: dict[str, np.ndarray] = {}  # kept compact, to send again what a restarting server lost
     batch: list[Record] = []
 
     def send_batch(pool: ThreadPoolExecutor) -> None:
@@ -66,13 +69,14 @@ def extract_from_server(server: str, records: Iterable[Record], tokenizer: Any, 
             masks[record.sample_id] = mask
             payloads.append((record.sample_id, ids))
         add_loss_masks(out, masks, storage_options=storage_options)  # before the samples can be committed
-        futures = [(sid, len(ids), pool.submit(_generate, server, sid, ids, retries, request_timeout_s))
+        futures = [(sid, ids, pool.submit(_generate, server, sid, ids, retries, request_timeout_s))
                    for sid, ids in payloads]
-        for sid, length, future in futures:
+        for sid, ids, future in futures:
             try:
                 future.result()
                 sent.append(sid)
-                summary.tokens_sent += length
+                summary.tokens_sent += len(ids)
+                payloads_sent[sid] = np.asarray(ids, dtype=np.int32)
             except Exception as e:  # noqa: BLE001 - reported per sample in the summary
                 summary.failed[sid] = f"request failed: {e}"
             if on_sent is not None:
@@ -93,10 +97,20 @@ def extract_from_server(server: str, records: Iterable[Record], tokenizer: Any, 
         send_batch(pool)
     summary.sent = len(sent)
     missing = _wait_for_commits(out, storage_options, set(sent), commit_timeout_s)
+    if missing:  # answered, then lost: a server that stopped before its next commit. Send those once more.
+        with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="hsdata-client") as pool:
+            futures = [pool.submit(_generate, server, sid, payloads_sent[sid].tolist(), retries, request_timeout_s)
+                       for sid in sorted(missing)]
+            for future in futures:
+                try:
+                    future.result()
+                except Exception:  # noqa: BLE001 - it stays missing and is reported below
+                    pass
+        missing = _wait_for_commits(out, storage_options, missing, commit_timeout_s)
     summary.committed = len(sent) - len(missing)
     for sid in sorted(missing):
-        summary.failed[sid] = (f"sent, but not committed within {commit_timeout_s:g} s (is the hook's store "
-                               f"{out}? see the server's log)")
+        summary.failed[sid] = (f"sent twice, but not committed within {commit_timeout_s:g} s (is the hook's "
+                               f"store {out}? see the server's log)")
     summary.seconds = time.monotonic() - started
     return summary
 
