@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 
 import torch
@@ -27,15 +26,6 @@ import hsdata
 from hsdata.capture import Capture, Piece
 
 AUX_LAYERS = [1, 15, 28]  # EAGLE-3's defaults for 32 layers, "output of layer k"
-
-
-class StagingOnly(Capture):
-    """Diagnostic: stage rows exactly as Capture does, then drop them (no reassembly, no store writes)."""
-
-    def _write(self, staged) -> int:
-        if staged.ready is not None:
-            staged.ready.synchronize()
-        return 0
 
 
 def build_model() -> torch.nn.Module:
@@ -66,7 +56,7 @@ def run(model, mode: str, batches: list[torch.Tensor], capture: Capture | None, 
             if mode == "naive":
                 torch.cat(captured, dim=-1).cpu()
                 final.cpu()
-            elif mode.startswith("hsdata"):
+            elif mode == "hsdata":
                 b, t = ids.shape
                 pieces = [Piece(f"f{n}-s{i}", 0, i * t, t) for i in range(b)]
                 aux = [a.reshape(b * t, -1) for a in captured]
@@ -88,8 +78,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
-    parser.add_argument("--diagnose", action="store_true",
-                        help="add modes: staging only (nothing written), and hsdata with a 0.5 ms GIL switch interval")
     args = parser.parse_args()
     model = build_model()
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -97,27 +85,23 @@ def main() -> None:
                for _ in range(args.forwards)]
     run(model, "none", batches[:2], None, {})  # warm-up
     tokens = args.forwards * args.batch * args.seq
-    modes = ("none", "naive", "hsdata") + (("hsdata staging only", "hsdata switchinterval 0.5ms") if args.diagnose else ())
+    modes = ("none", "naive", "hsdata")
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     keep: dict = {}
     checked: dict = {}
     for r in range(args.rounds):
         for mode in modes:
             capture = None
-            if mode.startswith("hsdata"):
+            if mode == "hsdata":
                 shutil.rmtree(args.store, ignore_errors=True)
                 writer = hsdata.create(args.store, hidden_size=4096, aux_layers=AUX_LAYERS, model="random/llama-3-8b")
-                capture = (StagingOnly if mode == "hsdata staging only" else Capture)(writer)
-            interval = sys.getswitchinterval()
-            if mode == "hsdata switchinterval 0.5ms":
-                sys.setswitchinterval(0.0005)
-            times[mode].append(run(model, mode, [b.clone() for b in batches], capture, keep if mode == "hsdata" else {}))
-            sys.setswitchinterval(interval)
+                capture = Capture(writer)
+            times[mode].append(run(model, mode, [b.clone() for b in batches], capture, keep))
             if capture is not None:
                 drained = time.perf_counter()
                 capture.close()
                 times.setdefault(f"{mode}: drain after last forward", []).append(time.perf_counter() - drained)
-                if mode == "hsdata" and "store" not in checked:
+                if "store" not in checked:
                     store = hsdata.open(args.store)
                     got = store.get("f0-s0")
                     checked["store"] = (len(store), store.num_tokens * store.spec.token_nbytes)
