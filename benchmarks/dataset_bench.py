@@ -1,8 +1,10 @@
 """Samples through a torch DataLoader: hsdata's Eagle3Dataset vs per-sample ``torch.save`` files read the way
 SpecForge's offline dataset reads them (``torch.load`` of one file per sample), vs raw reads of the same bytes.
 
-The same samples in the same random order for all three; DataLoader with ``--workers`` worker processes,
-batch size 1. Cold passes drop the page cache first (root); warm passes follow an untimed pass.
+The same samples in the same random order for all; batch size 1. hsdata runs twice: in the training process
+(``num_workers=0``, reading ahead on threads once told the order) and with ``--workers`` worker processes, like
+the ``torch.save`` files. Raw reads run sample after sample on one thread, and with ``--workers`` threads per
+sample in 8 MiB ranges. Cold passes drop the page cache first (root); warm passes follow an untimed pass.
 
     python benchmarks/dataset_bench.py --dir /tmp/hsbench-dataset --gib 3 --workers 4
 """
@@ -18,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from hsdata.torch import Eagle3Dataset
-from read_bench import build, interleaved_times, make_lengths, read_raw, sample_arrays
+from read_bench import build, interleaved_times, make_lengths, read_raw, read_raw_parallel, sample_arrays
 
 
 class TorchSaveDir(Dataset):
@@ -48,6 +50,8 @@ def write_torch_save_dir(root: str, lengths: list[int], hidden: int, seed: int) 
 
 
 def through_loader(dataset: Dataset, order, workers: int) -> int:
+    if isinstance(dataset, Eagle3Dataset):
+        dataset.expect(order)  # what ShardAwareSampler does; used only by the process that reads
     loader = DataLoader(dataset, batch_size=None, sampler=[int(i) for i in order], num_workers=workers)
     total = 0
     for item in loader:
@@ -72,6 +76,9 @@ def main() -> None:
     order = np.random.default_rng(1).permutation(len(lengths))
     methods = {
         "raw pread (same bytes)": lambda: read_raw(built["flat"], built["ranges"], order),
+        f"raw pread, {args.workers} threads": lambda: read_raw_parallel(built["flat"], built["ranges"], order,
+                                                                        args.workers, 8 << 20),
+        "hsdata Eagle3Dataset, in process": lambda: through_loader(Eagle3Dataset(built["stores"][None]), order, 0),
         f"hsdata Eagle3Dataset, {args.workers} workers": lambda: through_loader(
             Eagle3Dataset(built["stores"][None]), order, args.workers),
         f"torch.save per sample, {args.workers} workers": lambda: through_loader(
@@ -84,7 +91,7 @@ def main() -> None:
         raw = float(np.median(times["raw pread (same bytes)"]))
         for name, t in times.items():
             seconds = float(np.median(t))
-            print(f"{mode:4} {name:36} {seconds:6.2f} s  {len(lengths) / seconds:7.1f} samples/s  "
+            print(f"{mode:4} {name:38} {seconds:6.2f} s  {len(lengths) / seconds:7.1f} samples/s  "
                   f"{gb / seconds:5.2f} GB/s  x raw {raw / seconds:4.2f}   (all {[round(x, 2) for x in t]})")
 
 

@@ -56,3 +56,31 @@ def adjacency_kept(storage: np.ndarray, order: np.ndarray) -> float:
     position[storage] = np.arange(len(storage))
     steps = np.abs(np.diff(position[order]))
     return float((steps == 1).mean())
+
+
+def token_budget_batches(order: np.ndarray, lengths: np.ndarray, *, max_tokens: int, padded: bool,
+                         sort_window: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """Cut ``order`` into batches of at most ``max_tokens`` tokens, grouping samples of similar length.
+
+    Each run of ``sort_window`` consecutive samples of ``order`` is sorted by length and cut greedily: a batch
+    costs ``count * longest`` tokens when ``padded`` (padding collate) and ``sum(lengths)`` when packed. The
+    batches of a run are then shuffled, so lengths do not rise steadily through the epoch. A sample longer than
+    ``max_tokens`` forms a batch of its own. Deterministic per (seed, epoch).
+    """
+    if max_tokens < 1 or sort_window < 1:
+        raise ValueError(f"max_tokens and sort_window must be >= 1, got {max_tokens} and {sort_window}")
+    rng = np.random.default_rng([seed, epoch, 1])
+    batches: list[np.ndarray] = []
+    for start in range(0, len(order), sort_window):
+        run = order[start : start + sort_window]
+        run = run[np.argsort(lengths[run], kind="stable")]
+        cut, first, longest, total = [], 0, 0, 0
+        for k, n in enumerate(lengths[run].tolist()):
+            longest, total = max(longest, n), total + n
+            cost = (k - first + 1) * longest if padded else total
+            if cost > max_tokens and k > first:
+                cut.append(k)
+                first, longest, total = k, n, n
+        pieces = np.split(run, cut)
+        batches += [pieces[b] for b in rng.permutation(len(pieces))]
+    return batches

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 import hsdata
 from conftest import SPEC, assert_same, make_sample
 from hsdata import sampling
-from hsdata.torch import Eagle3Dataset, ShardAwareSampler, collate_eagle3
+from hsdata.torch import Eagle3Dataset, ShardAwareSampler, TokenBudgetBatchSampler, collate_eagle3, pack_eagle3
 
 LENGTHS = [5 + (i * 37) % 90 for i in range(200)]
 
@@ -132,3 +132,120 @@ def test_item_and_collate_shapes(store_url):
     assert batch["hidden_states"].dtype == torch.bfloat16 and batch["loss_mask"].dtype == torch.int64
     with pytest.raises(ValueError, match="max_length must be >= 1"):
         Eagle3Dataset(dataset.store, max_length=0)
+
+
+def test_token_budget_batches_fit_the_budget_and_cover_the_order_once():
+    lengths = np.random.default_rng(3).integers(1, 120, 500)
+    order = sampling.shard_aware_order(np.arange(500), seed=2, epoch=0, block_size=8, window=4)
+    for padded in (True, False):
+        batches = sampling.token_budget_batches(order, lengths, max_tokens=300, padded=padded, sort_window=64,
+                                                seed=2, epoch=0)
+        assert sorted(np.concatenate(batches).tolist()) == list(range(500))
+        costs = [len(b) * lengths[b].max() if padded else lengths[b].sum() for b in batches]
+        assert max(costs) <= 300
+        # grouped by length: far less padding than batches of the same sizes in plain order would have
+        if padded:
+            waste = sum(len(b) * lengths[b].max() - lengths[b].sum() for b in batches)
+            assert waste < 0.2 * lengths.sum()
+        again = sampling.token_budget_batches(order, lengths, max_tokens=300, padded=padded, sort_window=64,
+                                              seed=2, epoch=0)
+        assert all(np.array_equal(a, b) for a, b in zip(batches, again))
+    alone = sampling.token_budget_batches(np.arange(3), np.array([10, 500, 10]), max_tokens=100, padded=True,
+                                          sort_window=8, seed=0, epoch=0)
+    assert sorted(len(b) for b in alone) == [1, 2]  # the 500-token sample is a batch of its own
+
+
+def test_token_budget_batch_sampler_splits_batches_evenly_and_resumes_elastically(store_url):
+    dataset = Eagle3Dataset(store_url, max_length=64)
+
+    def sampler(rank, world_size):
+        return TokenBudgetBatchSampler(dataset, max_tokens=256, seed=4, sort_window=32, rank=rank,
+                                       world_size=world_size)
+
+    full = sampler(0, 1)
+    full.set_epoch(1)
+    expected = list(full)
+    assert sorted(i for b in expected for i in b) == list(range(len(LENGTHS)))
+    assert all(len(b) * max(min(64, LENGTHS[i]) for i in b) <= 256 for b in expected)
+    ranks = [sampler(r, 3) for r in range(3)]
+    taken = []
+    for s in ranks:
+        s.set_epoch(1)
+        it = iter(s)
+        taken.append([next(it) for _ in range(5)])
+    assert len({len(s) for s in ranks}) == 1  # every rank runs the same number of steps
+    state = ranks[1].state_dict()
+    assert state["consumed"] == 15 and state["kind"] == "TokenBudgetBatchSampler"
+    assert sorted(map(tuple, sum(taken, []))) == sorted(map(tuple, expected[:15]))
+    two = [sampler(r, 2) for r in range(2)]
+    rest = []
+    for s in two:
+        s.load_state_dict(state)
+        rest += list(s)
+    assert sorted(map(tuple, rest)) == sorted(map(tuple, expected[15:]))  # an even number left: none repeated
+    with pytest.raises(ValueError, match="saved by a TokenBudgetBatchSampler"):
+        ShardAwareSampler(dataset).load_state_dict(state)
+
+
+def test_collate_conventions_lay_out_the_same_tensors(store_url):
+    dataset = Eagle3Dataset(store_url)
+    items = [dataset[i] for i in (3, 4, 5)]
+    n = [len(it["input_ids"]) for it in items]
+    ours = collate_eagle3(items)
+    spec = collate_eagle3(items, convention="specforge")
+    assert set(spec) == {"input_ids", "attention_mask", "loss_mask", "hidden_state", "target"}
+    assert torch.equal(spec["hidden_state"], ours["aux_hidden_states"])
+    assert torch.equal(spec["target"], ours["hidden_states"])
+    for b, length in enumerate(n):  # the last token predicts past the sample's end: masked
+        assert spec["loss_mask"][b, length - 1] == 0
+        assert torch.equal(spec["loss_mask"][b, : length - 1], items[b]["loss_mask"][: length - 1])
+    mo = collate_eagle3(items, convention="modelopt")
+    assert set(mo) == {"input_ids", "attention_mask", "loss_mask", "labels", "base_model_outputs"}
+    assert torch.equal(mo["base_model_outputs"]["aux_hidden_states"], ours["aux_hidden_states"])
+    assert torch.equal(mo["base_model_outputs"]["base_model_hidden_states"], ours["hidden_states"])
+    assert mo["base_model_outputs"]["base_hidden_prenorm"] is False
+    assert torch.equal(mo["loss_mask"], ours["loss_mask"])
+    for b, length in enumerate(n):
+        assert mo["labels"][b, : length - 1].tolist() == items[b]["input_ids"][1:].tolist()
+        assert set(mo["labels"][b, length - 1 :].tolist()) == {-100}
+    with pytest.raises(ValueError, match="unknown convention 'eagle'"):
+        collate_eagle3(items, convention="eagle")
+
+
+def test_pack_puts_samples_end_to_end_with_document_and_position_ids(store_url):
+    dataset = Eagle3Dataset(store_url)
+    items = [dataset[i] for i in (0, 7, 9)]
+    n = [len(it["input_ids"]) for it in items]
+    packed = pack_eagle3(items)
+    assert packed["aux_hidden_states"].shape == (1, sum(n), 3 * 32)
+    assert packed["cu_seqlens"].tolist() == [0, n[0], n[0] + n[1], sum(n)]
+    assert packed["cu_seqlens"].dtype == torch.int32
+    for b, (start, length) in enumerate(zip(packed["cu_seqlens"][:-1].tolist(), n)):
+        rows = slice(start, start + length)
+        assert packed["position_ids"][0, rows].tolist() == list(range(length))
+        assert set(packed["document_ids"][0, rows].tolist()) == {b}
+        assert torch.equal(packed["hidden_states"][0, rows], items[b]["hidden_states"])
+        assert torch.equal(packed["loss_mask"][0, rows], items[b]["loss_mask"])
+
+
+def test_read_ahead_in_process_reads_the_coming_samples_and_returns_the_right_ones(store_url):
+    store = hsdata.open(store_url)
+    dataset = Eagle3Dataset(store_url, read_ahead_bytes=64 << 10)
+    sampler = ShardAwareSampler(dataset, seed=8)
+    loader = DataLoader(dataset, batch_size=3, sampler=sampler, collate_fn=pack_eagle3, num_workers=0)
+    order = list(sampler)
+    batches = iter(loader)
+    first = next(batches)
+    assert first["sample_id"] == [store.read(i)["sample_id"] for i in order[:3]]
+    pending = [i for i, _ in dataset._ahead._pending]
+    assert pending == order[3 : 3 + len(pending)] and len(pending) > 1  # the next samples are already coming
+    for k, batch in enumerate(batches, start=1):
+        for b, i in enumerate(order[3 * k : 3 * k + 3]):
+            want = store.read(i)
+            assert batch["sample_id"][b] == want["sample_id"]
+        if k == 10:
+            break
+    # an index out of the announced order is read directly, and ends the read-ahead
+    assert_same({"aux_hidden_states": dataset[order[0]]["aux_hidden_states"]},
+                {"aux_hidden_states": store.read(order[0])["aux_hidden_states"]})
+    assert dataset._ahead is None
