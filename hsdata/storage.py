@@ -7,17 +7,25 @@ visible only when its upload completes.
 
 from __future__ import annotations
 
+import logging
 import os
+import random
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import BinaryIO, Iterator, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 MAX_OPEN_FILES = 256
+RETRIES = 5  # attempts after the first, for transient errors of remote reads
+RETRY_BASE_S = 0.2  # backoff before attempt k: RETRY_BASE_S * 2**k, +-50% jitter
+
+log = logging.getLogger("hsdata.storage")
+T = TypeVar("T")
 
 
 class Storage:
@@ -38,15 +46,22 @@ class Storage:
         return f"{self.url.rstrip('/')}/{key}"
 
     def read_bytes(self, key: str) -> bytes:
-        return self.fs.cat_file(self.path(key))
+        return self._retrying(lambda: self.fs.cat_file(self.path(key)), key)
+
+    def read_many(self, keys: Sequence[str]) -> list[bytes]:
+        """Whole objects, fetched concurrently on async filesystems; a failed one is fetched again alone."""
+        paths = [self.path(k) for k in keys]
+        got = self.fs.cat(paths, on_error="return") if paths else {}
+        return [self.read_bytes(key) if isinstance(got[path], BaseException) and _transient(got[path]) else
+                _raise_if_error(got[path]) for key, path in zip(keys, paths)]
 
     def exists(self, key: str) -> bool:
-        return self.fs.exists(self.path(key))
+        return self._retrying(lambda: self.fs.exists(self.path(key)), key)
 
     def list(self, prefix: str) -> list[str]:
         """Names of the visible (not dot-hidden) files directly under ``prefix``; empty if it does not exist."""
         try:
-            entries = self.fs.ls(self.path(prefix), detail=True)
+            entries = self._retrying(lambda: self.fs.ls(self.path(prefix), detail=True, refresh=True), prefix)
         except FileNotFoundError:
             return []
         names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "file"]
@@ -68,14 +83,17 @@ class Storage:
         return _LocalAtomicWriter(self.path(key)) if self.is_local else _RemoteWriter(self.fs, self.path(key))
 
     def size(self, key: str) -> int:
-        return self.fs.size(self.path(key))
+        return self._retrying(lambda: self.fs.size(self.path(key)), key)
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
-        return self.fs.cat_file(self.path(key), start=start, end=end)
+        return self._retrying(lambda: self.fs.cat_file(self.path(key), start=start, end=end), key)
 
     def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
-        """Several ranges at once (concurrently on async filesystems)."""
-        return self.fs.cat_ranges([self.path(k) for k in keys], list(starts), list(ends))
+        """Several ranges at once (concurrently on async filesystems); a failed range is fetched again alone."""
+        paths = [self.path(k) for k in keys]
+        got = self.fs.cat_ranges(paths, list(starts), list(ends), on_error="return")
+        return [self.read_range(key, start, end) if isinstance(data, BaseException) and _transient(data) else
+                _raise_if_error(data) for key, start, end, data in zip(keys, starts, ends, got)]
 
     def pread_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
         """Local only: one ``preadv`` filling ``buffers`` from ``offset``; returns the bytes read."""
@@ -85,6 +103,40 @@ class Storage:
     def close(self) -> None:
         if self._files is not None:
             self._files.close()
+
+    def _retrying(self, call: Callable[[], T], key: str) -> T:
+        """``call()``, again after a backoff when a remote filesystem fails transiently (5xx, 429, timeouts,
+        dropped connections); a missing object or a refusal is raised at once, and so is the last failure."""
+        for attempt in range(RETRIES + 1):
+            try:
+                return call()
+            except Exception as e:
+                if self.is_local or attempt == RETRIES or not _transient(e):
+                    raise
+                delay = RETRY_BASE_S * 2**attempt * random.uniform(0.5, 1.5)
+                log.warning("hsdata: reading %s failed (%s: %s); retry %d of %d in %.1f s", self.describe(key),
+                            type(e).__name__, str(e)[:200], attempt + 1, RETRIES, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+
+def _transient(error: BaseException) -> bool:
+    """Whether a remote read may succeed if tried again."""
+    if isinstance(error, FileNotFoundError) and error.__cause__ is not None:
+        return _transient(error.__cause__)  # fsspec's HTTP info turns every failure into FileNotFoundError
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    status = getattr(error, "status", None) or getattr(error, "code", None)  # aiohttp; s3fs wraps botocore's
+    if isinstance(status, int):
+        return status >= 500 or status in (408, 429)
+    return isinstance(error, (OSError, TimeoutError, ConnectionError)) or type(error).__module__.startswith(
+        ("aiohttp", "botocore", "urllib3"))
+
+
+def _raise_if_error(data):
+    if isinstance(data, BaseException):
+        raise data
+    return data
 
 
 class AtomicWriter:

@@ -54,10 +54,9 @@ def load(storage: Storage, folder: str, schema: pa.Schema, check=None) -> pa.Tab
     """Every file of ``folder``, verified (and passed to ``check(name, table, where)``), concatenated in order."""
     names = list_files(storage, folder)
     keys = [f"{folder}/{n}" for n in names]
-    contents = storage.fs.cat([storage.path(k) for k in keys]) if keys else {}
     tables = []
-    for name, key in zip(names, keys):
-        table = decode(name, contents[storage.path(key)], schema, storage.describe(key))
+    for name, key, data in zip(names, keys, storage.read_many(keys)):
+        table = decode(name, data, schema, storage.describe(key))
         if check is not None:
             check(name, table, storage.describe(key))
         tables.append(table)
