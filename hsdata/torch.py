@@ -241,6 +241,8 @@ class TokenBudgetBatchSampler(ShardAwareSampler):
 
     def __init__(self, dataset: Eagle3Dataset, *, max_tokens: int, padded: bool = True, sort_window: int = 1024,
                  **kwargs):
+        if max_tokens < 1 or sort_window < 1:
+            raise ValueError(f"max_tokens and sort_window must be >= 1, got {max_tokens} and {sort_window}")
         super().__init__(dataset, **kwargs)
         self.max_tokens, self.padded, self.sort_window = max_tokens, padded, sort_window
         self._lengths = dataset.lengths
