@@ -148,7 +148,7 @@ def read_raw_parallel(flat: str, ranges: list[dict], order, threads: int, range_
 
 
 def read_hsdata(path: str, order, threads: int, range_bytes: int) -> int:
-    store = hsdata.open(path, io_threads=threads, range_bytes=range_bytes)
+    store = hsdata.open(path, concurrency=threads, range_bytes=range_bytes)
     total = 0
     for i in order:
         sample = store[int(i)]
@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[None])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=hsdata.reader.DEFAULT_IO_THREADS)
+    parser.add_argument("--threads", type=int, default=hsdata.reader.LOCAL_CONCURRENCY)
     parser.add_argument("--range-mib", type=int, default=hsdata.reader.DEFAULT_RANGE_BYTES >> 20)
     parser.add_argument("--repeat", type=int, default=3, help="passes per method and mode; the median is reported")
     parser.add_argument("--skip-zarr", action="store_true")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -15,42 +15,52 @@ import torch
 from . import manifest, masks, sampling
 from .errors import CorruptDataError
 from .layout import load_spec, shard_key
+from .pool import ProcessLocalPool
 from .shard import CRC_NBYTES, ShardRange, token_ranges
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
-from .storage import Storage
+from .cache import RangeCache
+from .storage import MAX_REQUESTS, Storage
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-DEFAULT_IO_THREADS = 2
-DEFAULT_RANGE_BYTES = 8 << 20
+LOCAL_CONCURRENCY = 2  # I/O threads reading a local store
+REMOTE_CONCURRENCY = MAX_REQUESTS  # requests in flight to a remote store
+DEFAULT_RANGE_BYTES = 8 << 20  # within S3's guidance of 8-16 MB per ranged GET
+DEFAULT_CACHE_BYTES = 64 << 30
 INLINE_READ_BYTES = 1 << 20  # smaller samples are read on the calling thread
 _TORCH_DTYPES = {"int32": torch.int32, "uint8": torch.uint8, "uint16": torch.bfloat16}
 
 
-def open(url: str, *, storage_options: dict | None = None, verify: bool = True, io_threads: int = DEFAULT_IO_THREADS,
-         range_bytes: int = DEFAULT_RANGE_BYTES) -> Store:  # noqa: A001
+def open(url: str, *, storage_options: dict | None = None, verify: bool = True, concurrency: int | None = None,
+         range_bytes: int = DEFAULT_RANGE_BYTES, cache_dir: str | None = None,
+         cache_max_bytes: int = DEFAULT_CACHE_BYTES) -> Store:  # noqa: A001
     """Open the store at ``url`` (any fsspec URL) for reading. Reads metadata and manifests only.
 
     With ``verify`` (the default) every tensor read is checked against its per-sample xxh3 from the manifest,
     so a corrupt or misplaced byte raises :class:`CorruptDataError` instead of reaching training. A sample's
-    bytes are read as ranges of about ``range_bytes``, up to ``io_threads`` at a time.
+    bytes are read as ranges of about ``range_bytes``, ``concurrency`` at a time: I/O threads on a local disk
+    (default 2), requests in flight on a remote store (default 32; ranges of one object less than 1 MiB apart
+    are merged into requests of up to ``range_bytes``). ``cache_dir`` keeps the remote ranges read on a local
+    disk for later epochs, at most ``cache_max_bytes`` of them.
     """
-    storage = Storage(url, storage_options)
+    cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir is not None else None
+    storage = Storage(url, storage_options, max_requests=concurrency or REMOTE_CONCURRENCY, cache=cache)
     return Store(storage, load_spec(storage), manifest.load(storage), masks.load(storage), verify=verify,
-                 io_threads=io_threads, range_bytes=range_bytes)
+                 concurrency=concurrency, range_bytes=range_bytes)
 
 
 class Store:
     """A read-only view of the samples committed when the store was opened."""
 
     def __init__(self, storage: Storage, spec: StoreSpec, rows: pa.Table, added_masks: dict[str, bytes], *,
-                 verify: bool = True,
-                 io_threads: int = DEFAULT_IO_THREADS, range_bytes: int = DEFAULT_RANGE_BYTES):
-        if io_threads < 1 or range_bytes < 1:
-            raise ValueError(f"io_threads and range_bytes must be positive, got {io_threads} and {range_bytes}")
+                 verify: bool = True, concurrency: int | None = None, range_bytes: int = DEFAULT_RANGE_BYTES):
+        """``concurrency``: I/O threads for a local store (a remote one's limit is ``storage.max_requests``)."""
+        concurrency = concurrency or LOCAL_CONCURRENCY
+        if concurrency < 1 or range_bytes < 1:
+            raise ValueError(f"concurrency and range_bytes must be positive, got {concurrency} and {range_bytes}")
         self.spec = spec
         self.verify = verify
         self._storage = storage
-        self._pool = _ThreadPool(io_threads)
+        self._pool = ProcessLocalPool(concurrency, "hsdata-read")
         self._range_bytes = range_bytes
         self.manifest = _drop_duplicates(rows, storage.url)
         self._ids: list[str] = self.manifest.column("sample_id").to_pylist()
@@ -114,45 +124,27 @@ class Store:
         ``loss_mask`` comes from the sample, else from masks added later (``hsdata.add_loss_masks``), else is None.
         With ``shared``, tensors are read straight into shared memory, so a DataLoader worker sends them to the
         main process without copying."""
-        i = self._position(i)
-        part, offset, length = self.location(i)
+        return self.read_many([i], fields, shared=shared)[0]
+
+    def read_many(self, indices: Sequence[int], fields: Iterable[str] | None = None, *,
+                  shared: bool = False) -> list[dict[str, Any]]:
+        """Several samples as :meth:`read` gives them, their reads issued together: on a remote store, ranges
+        of samples that lie next to each other share requests."""
         names = _check_fields(fields)
-        added = self._added_masks.get(self._ids[i]) if "loss_mask" in names and not self._has_loss_mask[i] else None
-        tensors = [self.spec.tensor(n) for n in names if n != "loss_mask" or self._has_loss_mask[i]]
-        outputs = [torch.empty(length * t.row_nbytes, dtype=torch.uint8) for t in tensors]
-        if shared:
-            outputs = [o.share_memory_() for o in outputs]
-        buffers = [o.numpy() for o in outputs]
-        reads = []  # (tensor position, key, range, destination), in byte order of each tensor
-        for k, (tensor, buf) in enumerate(zip(tensors, buffers)):
-            start = 0
-            for whole in token_ranges(self.spec, tensor, offset, length):
-                for r in whole.split(self._range_bytes):
-                    reads.append((k, shard_key(part, tensor, r.shard), r, memoryview(buf)[start : start + r.nbytes]))
-                    start += r.nbytes
-        hashers = [manifest.content_hasher() for _ in tensors]
+        plans = [self._plan(self._position(i), names, shared) for i in indices]
+        reads = [read for plan in plans for read in plan.reads]
+        done = 0
         try:
-            for (k, _, _, destination), _ in zip(reads, self._fetch(reads)):
+            for read, _ in zip(reads, self._fetch(reads)):
                 if self.verify:  # overlaps with the reads still in flight
-                    hashers[k].update(destination)
+                    read.plan.hashers[read.tensor].update(read.destination)
+                done += 1
         except FileNotFoundError as e:
-            raise CorruptDataError(f"sample {self._ids[i]!r}: shard file missing: {e.filename or e}") from None
+            raise CorruptDataError(f"sample {reads[done].plan.sample_id!r}: shard file missing: "
+                                   f"{e.filename or e}") from None
         except CorruptDataError as e:
-            raise CorruptDataError(f"sample {self._ids[i]!r}: {e}") from None
-        out: dict[str, Any] = {"sample_id": self._ids[i]}
-        if "loss_mask" in names and not self._has_loss_mask[i]:
-            if added is not None and len(added) != length:
-                raise CorruptDataError(f"sample {self._ids[i]!r}: its added loss mask has {len(added)} tokens, "
-                                       f"the sample {length}")
-            out["loss_mask"] = None if added is None else torch.frombuffer(bytearray(added), dtype=torch.uint8)
-        for tensor, output, hasher in zip(tensors, outputs, hashers):
-            if self.verify:
-                self._check_hash(i, tensor, hasher.intdigest())
-            value = output.view(_TORCH_DTYPES[tensor.data_type])
-            if tensor.width is not None:
-                value = value.view(-1, tensor.width)
-            out[tensor.name] = value.to(torch.int64) if tensor.name == "input_ids" else value
-        return out
+            raise CorruptDataError(f"sample {reads[done].plan.sample_id!r}: {e}") from None
+        return [self._finish(plan) for plan in plans]
 
     def storage_order(self) -> np.ndarray:
         """Sample positions in the order their bytes lie on disk (part, then token offset)."""
@@ -181,24 +173,62 @@ class Store:
             raise IndexError(f"sample index {i} out of range for a store of {n} samples")
         return int(i) % n
 
-    def _fetch(self, reads: list) -> Iterator[None]:
+    def _plan(self, i: int, names: tuple[str, ...], shared: bool) -> _Plan:
+        """The output buffers of sample ``i`` and the ranges to read into them, in byte order of each tensor."""
+        part, offset, length = self.location(i)
+        with_mask = self._has_loss_mask[i]
+        tensors = [self.spec.tensor(n) for n in names if n != "loss_mask" or with_mask]
+        outputs = [torch.empty(length * t.row_nbytes, dtype=torch.uint8) for t in tensors]
+        if shared:
+            outputs = [o.share_memory_() for o in outputs]
+        plan = _Plan(i, self._ids[i], tensors, outputs, [manifest.content_hasher() for _ in tensors])
+        if "loss_mask" in names and not with_mask:
+            plan.mask_added_later, plan.added_mask = True, self._added_masks.get(self._ids[i])
+        for k, (tensor, output) in enumerate(zip(tensors, outputs)):
+            buffer, start = memoryview(output.numpy()), 0
+            for whole in token_ranges(self.spec, tensor, offset, length):
+                for r in whole.split(self._range_bytes):
+                    plan.reads.append(_Read(plan, k, shard_key(part, tensor, r.shard), r,
+                                            buffer[start : start + r.nbytes]))
+                    start += r.nbytes
+        return plan
+
+    def _finish(self, plan: _Plan) -> dict[str, Any]:
+        """Check the read sample's hashes and shape its tensors."""
+        i, sample_id = plan.position, plan.sample_id
+        out: dict[str, Any] = {"sample_id": sample_id}
+        if plan.mask_added_later:
+            added = plan.added_mask
+            if added is not None and len(added) != self.lengths[i]:
+                raise CorruptDataError(f"sample {sample_id!r}: its added loss mask has {len(added)} tokens, "
+                                       f"the sample {self.lengths[i]}")
+            out["loss_mask"] = None if added is None else torch.frombuffer(bytearray(added), dtype=torch.uint8)
+        for tensor, output, hasher in zip(plan.tensors, plan.outputs, plan.hashers):
+            if self.verify:
+                self._check_hash(i, tensor, hasher.intdigest())
+            value = output.view(_TORCH_DTYPES[tensor.data_type])
+            if tensor.width is not None:
+                value = value.view(-1, tensor.width)
+            out[tensor.name] = value.to(torch.int64) if tensor.name == "input_ids" else value
+        return out
+
+    def _fetch(self, reads: list[_Read]) -> Iterator[None]:
         """Fill the destinations of ``reads``, yielding once per read as each completes, in order.
 
-        Locally each range is one ``preadv`` on the I/O threads (small samples on the caller's thread);
-        elsewhere all ranges are fetched concurrently by fsspec.
+        Locally each range is one ``preadv`` on the I/O threads (small reads on the caller's thread); from a
+        remote store all ranges are fetched together (neighbours merged, a bounded number in flight).
         """
         if not self._storage.is_local:
-            keys = [key for _, key, _, _ in reads]
-            starts, ends = [r.file_start for _, _, r, _ in reads], [r.file_end for _, _, r, _ in reads]
-            for (_, key, r, destination), data in zip(reads, self._storage.read_ranges(keys, starts, ends)):
-                _scatter(data, r, destination, self._where(key, r))
+            ranges = [(read.key, read.range.file_start, read.range.file_end) for read in reads]
+            for read, data in zip(reads, self._storage.read_ranges(ranges, merge_up_to=self._range_bytes)):
+                _scatter(data, read.range, read.destination, self._where(read.key, read.range))
                 yield
-        elif len(reads) == 1 or sum(r.nbytes for _, _, r, _ in reads) < INLINE_READ_BYTES:
-            for _, key, r, destination in reads:
-                self._pread(key, r, destination)
+        elif len(reads) == 1 or sum(read.range.nbytes for read in reads) < INLINE_READ_BYTES:
+            for read in reads:
+                self._pread(read)
                 yield
         else:
-            futures = [self._pool.submit(self._pread, key, r, destination) for _, key, r, destination in reads]
+            futures = [self._pool.submit(self._pread, read) for read in reads]
             try:
                 for future in futures:
                     future.result()
@@ -207,10 +237,11 @@ class Store:
                 for future in futures:
                     future.cancel()
 
-    def _pread(self, key: str, r: ShardRange, destination: memoryview) -> None:
+    def _pread(self, read: _Read) -> None:
+        key, r = read.key, read.range
         crc = bytearray(CRC_NBYTES)  # checksums between chunks are skipped; validate checks them
         iov = []
-        for piece in _pieces(r, destination):
+        for piece in _pieces(r, read.destination):
             iov += (crc, piece) if iov else (piece,)
         position = r.file_start
         for first in range(0, len(iov), IOV_MAX):
@@ -234,24 +265,29 @@ class Store:
         return f"{self._storage.describe(key)} bytes [{r.file_start}, {r.file_end})"
 
 
-class _ThreadPool:
-    """I/O threads, created on first use and again in a forked child."""
+@dataclass
+class _Plan:
+    """One sample being read: its output tensors, their hashers, and the reads that fill them."""
 
-    def __init__(self, threads: int):
-        self.threads = threads
-        self._executor: ThreadPoolExecutor | None = None
-        self._pid = os.getpid()
+    position: int
+    sample_id: str
+    tensors: list[TensorSpec]
+    outputs: list[torch.Tensor]
+    hashers: list
+    reads: list[_Read] = field(default_factory=list)
+    mask_added_later: bool = False  # loss_mask wanted, from hsdata.add_loss_masks (added_mask; None: none added)
+    added_mask: bytes | None = None
 
-    def submit(self, fn: Callable, *args) -> Future:
-        if self._executor is None or self._pid != os.getpid():
-            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="hsdata-read")
-            self._pid = os.getpid()
-        return self._executor.submit(fn, *args)
 
-    def shutdown(self) -> None:
-        if self._executor is not None and self._pid == os.getpid():
-            self._executor.shutdown()
-        self._executor = None
+@dataclass
+class _Read:
+    """One byte range of a shard file and where its payload goes."""
+
+    plan: _Plan
+    tensor: int  # position in plan.tensors
+    key: str
+    range: ShardRange
+    destination: memoryview
 
 
 def _pieces(r: ShardRange, destination: memoryview) -> Iterator[memoryview]:

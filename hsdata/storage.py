@@ -2,11 +2,14 @@
 
 Local paths get ``write to a hidden partial file, fsync, rename, fsync the directory`` and ``preadv`` straight
 into the caller's buffers. Other filesystems (object stores) get write-once objects: an object becomes
-visible only when its upload completes.
+visible only when its upload completes. Remote reads are retried on transient errors; ranges are fetched with a
+bounded number of requests in flight, neighbouring ones merged, optionally through a local :class:`RangeCache`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import os
 import random
@@ -15,14 +18,19 @@ import time
 import uuid
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import BinaryIO, Callable, Iterator, Sequence, TypeVar
+from typing import Awaitable, BinaryIO, Callable, Iterator, Sequence, TypeVar
 
 import fsspec
+import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
+
+from .cache import RangeCache
 
 MAX_OPEN_FILES = 256
 RETRIES = 5  # attempts after the first, for transient errors of remote reads
 RETRY_BASE_S = 0.2  # backoff before attempt k: RETRY_BASE_S * 2**k, +-50% jitter
+MAX_REQUESTS = 32  # remote requests in flight per Storage, by default
+MERGE_GAP = 1 << 20  # ranges of one object at most this far apart are fetched as one request
 
 log = logging.getLogger("hsdata.storage")
 T = TypeVar("T")
@@ -31,12 +39,20 @@ T = TypeVar("T")
 class Storage:
     """A store's root: ``url`` plus fsspec ``storage_options``; every method takes keys relative to it."""
 
-    def __init__(self, url: str, storage_options: dict | None = None):
+    def __init__(self, url: str, storage_options: dict | None = None, *, max_requests: int = MAX_REQUESTS,
+                 cache: RangeCache | None = None):
+        """``max_requests``: remote requests in flight at a time (all threads together); ``cache``: keeps remote
+        ranges read by :meth:`read_ranges` on a local disk."""
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         self.url = str(url)
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.root = self.root.rstrip("/")
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.max_requests = max_requests
+        self.cache = None if self.is_local else cache
         self._files = _FileCache() if self.is_local else None
+        self._limit: tuple[int, asyncio.Semaphore] | None = None  # (pid, semaphore on fsspec's event loop)
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
@@ -49,11 +65,8 @@ class Storage:
         return self._retrying(lambda: self.fs.cat_file(self.path(key)), key)
 
     def read_many(self, keys: Sequence[str]) -> list[bytes]:
-        """Whole objects, fetched concurrently on async filesystems; a failed one is fetched again alone."""
-        paths = [self.path(k) for k in keys]
-        got = self.fs.cat(paths, on_error="return") if paths else {}
-        return [self.read_bytes(key) if isinstance(got[path], BaseException) and _transient(got[path]) else
-                _raise_if_error(got[path]) for key, path in zip(keys, paths)]
+        """Whole objects, fetched concurrently on remote filesystems."""
+        return self._fetch([(key, None, None) for key in keys])
 
     def exists(self, key: str) -> bool:
         return self._retrying(lambda: self.fs.exists(self.path(key)), key)
@@ -88,12 +101,24 @@ class Storage:
     def read_range(self, key: str, start: int, end: int) -> bytes:
         return self._retrying(lambda: self.fs.cat_file(self.path(key), start=start, end=end), key)
 
-    def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
-        """Several ranges at once (concurrently on async filesystems); a failed range is fetched again alone."""
-        paths = [self.path(k) for k in keys]
-        got = self.fs.cat_ranges(paths, list(starts), list(ends), on_error="return")
-        return [self.read_range(key, start, end) if isinstance(data, BaseException) and _transient(data) else
-                _raise_if_error(data) for key, start, end, data in zip(keys, starts, ends, got)]
+    def read_ranges(self, ranges: Sequence[tuple[str, int, int]], *, merge_up_to: int = 0) -> list[memoryview]:
+        """The bytes ``[start, end)`` of each ``(key, start, end)``: from the cache where it has them, the rest
+        fetched concurrently, ranges of one object at most ``MERGE_GAP`` apart merged into requests of up to
+        ``merge_up_to`` bytes. A short response comes back short (the caller checks lengths)."""
+        out: list = [None] * len(ranges)
+        if self.cache is not None:
+            for k, (key, start, end) in enumerate(ranges):
+                out[k] = self.cache.get(self.describe(key), start, end)
+        missing = [k for k in range(len(ranges)) if out[k] is None]
+        requests = merge_ranges([ranges[k] for k in missing], max_gap=MERGE_GAP, max_bytes=merge_up_to)
+        for (key, start, end, members), data in zip(requests, self._fetch([r[:3] for r in requests])):
+            view = memoryview(data)
+            for m in members:
+                k, (_, a, b) = missing[m], ranges[missing[m]]
+                out[k] = view[a - start : b - start]
+                if self.cache is not None and len(out[k]) == b - a:
+                    self.cache.put(self.describe(key), a, b, out[k])
+        return out
 
     def pread_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
         """Local only: one ``preadv`` filling ``buffers`` from ``offset``; returns the bytes read."""
@@ -104,20 +129,75 @@ class Storage:
         if self._files is not None:
             self._files.close()
 
+    def _fetch(self, requests: Sequence[tuple[str, int | None, int | None]]) -> list[bytes]:
+        """``(key, start, end)`` ranges (``None, None``: the whole object), at most ``max_requests`` in flight."""
+        if not requests:
+            return []
+        if not getattr(self.fs, "async_impl", False):
+            return [self._retrying(lambda r=r: self.fs.cat_file(self.path(r[0]), start=r[1], end=r[2]), r[0])
+                    for r in requests]
+        return fsspec.asyn.sync(self.fs.loop, self._gather, requests)
+
+    async def _gather(self, requests: Sequence[tuple[str, int | None, int | None]]) -> list[bytes]:
+        limit = self._requests_limit()
+
+        async def one(key: str, start: int | None, end: int | None) -> bytes:
+            async with limit:
+                return await self._retrying_async(lambda: self.fs._cat_file(self.path(key), start=start, end=end), key)
+
+        got = await asyncio.gather(*(one(*r) for r in requests), return_exceptions=True)
+        return [_raise_if_error(data) for data in got]
+
+    def _requests_limit(self) -> asyncio.Semaphore:
+        """The semaphore bounding this process's requests in flight (made on fsspec's loop; again after fork)."""
+        if self._limit is None or self._limit[0] != os.getpid():
+            self._limit = (os.getpid(), asyncio.Semaphore(self.max_requests))
+        return self._limit[1]
+
     def _retrying(self, call: Callable[[], T], key: str) -> T:
         """``call()``, again after a backoff when a remote filesystem fails transiently (5xx, 429, timeouts,
         dropped connections); a missing object or a refusal is raised at once, and so is the last failure."""
-        for attempt in range(RETRIES + 1):
+        for attempt in itertools.count():
             try:
                 return call()
             except Exception as e:
-                if self.is_local or attempt == RETRIES or not _transient(e):
-                    raise
-                delay = RETRY_BASE_S * 2**attempt * random.uniform(0.5, 1.5)
-                log.warning("hsdata: reading %s failed (%s: %s); retry %d of %d in %.1f s", self.describe(key),
-                            type(e).__name__, str(e)[:200], attempt + 1, RETRIES, delay)
-                time.sleep(delay)
+                time.sleep(self._retry_delay(e, attempt, key))
         raise AssertionError("unreachable")
+
+    async def _retrying_async(self, call: Callable[[], Awaitable[T]], key: str) -> T:
+        for attempt in itertools.count():
+            try:
+                return await call()
+            except Exception as e:
+                await asyncio.sleep(self._retry_delay(e, attempt, key))
+        raise AssertionError("unreachable")
+
+    def _retry_delay(self, error: Exception, attempt: int, key: str) -> float:
+        """Seconds to wait before retrying after ``error``; raises ``error`` when a retry is not worth it."""
+        if self.is_local or attempt == RETRIES or not _transient(error):
+            raise error
+        delay = RETRY_BASE_S * 2**attempt * random.uniform(0.5, 1.5)
+        log.warning("hsdata: reading %s failed (%s: %s); retry %d of %d in %.1f s", self.describe(key),
+                    type(error).__name__, str(error)[:200], attempt + 1, RETRIES, delay)
+        return delay
+
+
+def merge_ranges(ranges: Sequence[tuple[str, int, int]], *, max_gap: int,
+                 max_bytes: int) -> list[tuple[str, int, int, list[int]]]:
+    """Group ``(key, start, end)`` ranges into requests ``(key, start, end, members)``: ranges of one key whose
+    gap is at most ``max_gap`` share a request while it stays within ``max_bytes`` (a single range may exceed it).
+    ``members`` are positions in ``ranges``."""
+    requests: list[tuple[str, int, int, list[int]]] = []
+    for k in sorted(range(len(ranges)), key=lambda k: ranges[k]):
+        key, start, end = ranges[k]
+        if requests:
+            last_key, last_start, last_end, members = requests[-1]
+            if key == last_key and start - last_end <= max_gap and max(end, last_end) - last_start <= max_bytes:
+                members.append(k)
+                requests[-1] = (key, last_start, max(end, last_end), members)
+                continue
+        requests.append((key, start, end, [k]))
+    return requests
 
 
 def _transient(error: BaseException) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -15,10 +15,13 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from . import sampling
+from .pool import ProcessLocalPool
 from .reader import Store, open as open_store
 
 STATE_VERSION = 1
 READ_AHEAD_THREADS = 4
+GROUP_BYTES = 8 << 20  # neighbouring items read together, up to about this many bytes
+GROUP_ITEMS = 64
 CONVENTIONS = ("hsdata", "specforge", "modelopt")
 IGNORE_INDEX = -100  # labels of positions that predict nothing (ModelOpt's IGNORE_TOKEN_ID)
 _PER_TOKEN = ("input_ids", "loss_mask", "attention_mask", "position_ids", "aux_hidden_states", "hidden_states")
@@ -38,19 +41,21 @@ class Eagle3Dataset(Dataset):
     """
 
     def __init__(self, store: Store | str, *, max_length: int | None = None, storage_options: dict | None = None,
-                 verify: bool = True, read_ahead_bytes: int = 512 << 20, io_threads: int = 4):
-        """``io_threads``: byte ranges read at a time, for a store opened from a URL (here and in each worker)."""
+                 verify: bool = True, read_ahead_bytes: int = 512 << 20, **open_options):
+        """``open_options``: more arguments of :func:`hsdata.open` (``concurrency``, ``range_bytes``,
+        ``cache_dir``, ``cache_max_bytes``) for a store given by URL, here and in each worker."""
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         if read_ahead_bytes < 0:
             raise ValueError(f"read_ahead_bytes must be >= 0, got {read_ahead_bytes}")
         self._url = store.url if isinstance(store, Store) else store
-        self._open_options = {"storage_options": storage_options, "verify": verify, "io_threads": io_threads}
+        self._open_options = {"storage_options": storage_options, "verify": verify, **open_options}
         self._store = store if isinstance(store, Store) else open_store(store, **self._open_options)
         self.max_length = max_length
         self.read_ahead_bytes = read_ahead_bytes
         self.lengths = self._store.lengths if max_length is None else self._store.lengths.clip(max=max_length)
         self._sample_nbytes = self._store.lengths * self._store.spec.token_nbytes
+        self._pool = ProcessLocalPool(READ_AHEAD_THREADS, "hsdata-read-ahead")
         self._ahead: _ReadAhead | None = None
 
     @property
@@ -60,7 +65,8 @@ class Eagle3Dataset(Dataset):
         return self._store
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_store": None, "_ahead": None}
+        return {**self.__dict__, "_store": None, "_ahead": None, "_pool": ProcessLocalPool(READ_AHEAD_THREADS,
+                                                                                           "hsdata-read-ahead")}
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -70,7 +76,7 @@ class Eagle3Dataset(Dataset):
         in whichever process makes it. A call for another index than announced ends the read-ahead."""
         if self._ahead is not None:
             self._ahead.close()
-        self._ahead = _ReadAhead(self._item, self._sample_nbytes, iter(indices), self.read_ahead_bytes)
+        self._ahead = _ReadAhead(self._items, self._sample_nbytes, iter(indices), self.read_ahead_bytes, self._pool)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if self._ahead is not None:
@@ -79,7 +85,7 @@ class Eagle3Dataset(Dataset):
                 return item
             self._ahead.close()
             self._ahead = None
-        return self._item(int(i))
+        return self._items([int(i)])[0]
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
         """A batch, its samples read concurrently (DataLoader calls this when it has a batch size)."""
@@ -87,8 +93,11 @@ class Eagle3Dataset(Dataset):
             self.expect(list(indices))
         return [self[i] for i in indices]
 
-    def _item(self, i: int) -> dict[str, Any]:
-        sample = self.store.read(i, shared=get_worker_info() is not None)  # no copy to send it to the main process
+    def _items(self, indices: list[int]) -> list[dict[str, Any]]:
+        shared = get_worker_info() is not None  # read into shared memory: no copy to send it to the main process
+        return [self._item(sample) for sample in self.store.read_many(indices, shared=shared)]
+
+    def _item(self, sample: dict[str, Any]) -> dict[str, Any]:
         n = len(sample["input_ids"]) if self.max_length is None else min(self.max_length, len(sample["input_ids"]))
         mask = sample["loss_mask"]
         if mask is None:
@@ -105,13 +114,17 @@ class Eagle3Dataset(Dataset):
 
 
 class _ReadAhead:
-    """Items of an announced order, read on background threads up to a byte budget; tied to one process."""
+    """Items of an announced order, read on background threads up to a byte budget; tied to one process.
 
-    def __init__(self, read, sample_nbytes: np.ndarray, indices: Iterator[int], budget: int):
-        self._read, self._nbytes, self._indices, self._budget = read, sample_nbytes, indices, budget
-        self._pending: collections.deque[tuple[int, Future]] = collections.deque()
+    Neighbouring items in the order are read together, up to ``GROUP_BYTES`` or ``GROUP_ITEMS`` at a time (so a
+    remote store can merge their ranges into fewer requests)."""
+
+    def __init__(self, read_many, sample_nbytes: np.ndarray, indices: Iterator[int], budget: int,
+                 pool: ProcessLocalPool):
+        self._read_many, self._nbytes, self._indices, self._budget, self._pool = (read_many, sample_nbytes, indices,
+                                                                                  budget, pool)
+        self._pending: collections.deque[tuple[int, Future, int]] = collections.deque()  # item, its group, place
         self._pending_bytes = 0
-        self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
 
     def expects(self, indices: list[int]) -> bool:
@@ -119,7 +132,7 @@ class _ReadAhead:
         if self._pid != os.getpid():
             return False
         self._fill()
-        ahead = [i for i, _ in list(self._pending)[: len(indices)]]
+        ahead = [i for i, _, _ in list(self._pending)[: len(indices)]]
         return bool(ahead) and ahead == [int(i) for i in indices[: len(ahead)]]
 
     def take(self, i: int) -> dict[str, Any] | None:
@@ -129,28 +142,30 @@ class _ReadAhead:
         self._fill()
         if not self._pending or self._pending[0][0] != i:
             return None
-        _, future = self._pending.popleft()
+        _, group, place = self._pending.popleft()
         self._pending_bytes -= int(self._nbytes[i])
         self._fill()
-        return future.result()
+        return group.result()[place]
 
     def _fill(self) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="hsdata-read-ahead")
         while not self._pending or self._pending_bytes < self._budget:
-            i = next(self._indices, None)
-            if i is None:
+            group, nbytes = [], 0
+            while len(group) < GROUP_ITEMS and nbytes < GROUP_BYTES:
+                i = next(self._indices, None)
+                if i is None:
+                    break
+                group.append(int(i))
+                nbytes += int(self._nbytes[int(i)])
+            if not group:
                 return
-            i = int(i)
-            self._pending.append((i, self._pool.submit(self._read, i)))
-            self._pending_bytes += int(self._nbytes[i])
+            future = self._pool.submit(self._read_many, group)
+            self._pending.extend((i, future, place) for place, i in enumerate(group))
+            self._pending_bytes += nbytes
 
     def close(self) -> None:
-        for _, future in self._pending:
+        for _, future, _ in self._pending:
             future.cancel()
         self._pending.clear()
-        if self._pool is not None and self._pid == os.getpid():
-            self._pool.shutdown(wait=False)
 
 
 class ShardAwareSampler(Sampler[int]):

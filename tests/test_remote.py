@@ -7,6 +7,7 @@ import http.server
 import os
 import re
 import threading
+import time
 
 import boto3
 import pytest
@@ -101,8 +102,10 @@ def test_a_corrupt_object_on_s3_raises_and_validate_reports_it(s3, tmp_path):
 class _RangeHandler(http.server.SimpleHTTPRequestHandler):
     """Static files with HTTP Range support; ``faults`` decides what to do to each file request."""
 
-    faults = {"fail_every": 0, "flip_byte": False}
-    requests = 0
+    faults = {"fail_every": 0, "fail_first": 0, "flip_byte": False, "delay_s": 0.0}
+    requests = 0  # file requests answered
+    attempts: dict = {}  # (path, range) -> requests for it so far
+    active = max_active = 0  # file requests being answered now, and the most at once
     lock = threading.Lock()
 
     def log_message(self, *args) -> None:
@@ -120,12 +123,34 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
             return super().do_HEAD() if head else super().do_GET()  # the directory listing fsspec parses
         with _RangeHandler.lock:
             _RangeHandler.requests += 1
-            fail = self.faults["fail_every"] and _RangeHandler.requests % self.faults["fail_every"] == 0
-        if fail:
-            self.send_error(503, "injected fault")
-            return
-        if not os.path.isfile(path):
-            self.send_error(404)
+            _RangeHandler.active += 1
+            _RangeHandler.max_active = max(_RangeHandler.max_active, _RangeHandler.active)
+            self._counted = True
+            request = (self.path, self.headers.get("Range"))
+            _RangeHandler.attempts[request] = _RangeHandler.attempts.get(request, 0) + 1
+            fail = (self.faults["fail_every"] and _RangeHandler.requests % self.faults["fail_every"] == 0
+                    or _RangeHandler.attempts[request] <= self.faults["fail_first"])
+        time.sleep(self.faults["delay_s"])
+        self._answer(path, head, fail)
+
+    def _answer(self, path: str, head: bool, fail: bool) -> None:
+        """Send the response; the request stops counting as active before its last bytes go out (after them,
+        the client may already send its next request)."""
+        try:
+            self._respond(path, head, fail)
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        with _RangeHandler.lock:
+            if self._counted:
+                _RangeHandler.active -= 1
+                self._counted = False
+
+    def _respond(self, path: str, head: bool, fail: bool) -> None:
+        if fail or not os.path.isfile(path):
+            self._done()
+            self.send_error(503, "injected fault") if fail else self.send_error(404)
             return
         data = open(path, "rb").read()
         status, body = 200, data
@@ -141,26 +166,34 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
         self.send_header("Accept-Ranges", "bytes")
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
+        self._done()
         self.end_headers()
         if not head:
             self.wfile.write(body)
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    request_queue_size = 256  # the default 5 drops connections when many requests start at once (1 s SYN retry)
+    allow_reuse_address = True
 
 
 @pytest.fixture
 def http_store(tmp_path):
     write_store(tmp_path / "store", SAMPLES)
     handler = lambda *a, **k: _RangeHandler(*a, directory=str(tmp_path), **k)  # noqa: E731
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    _RangeHandler.faults = {"fail_every": 0, "flip_byte": False}
+    _RangeHandler.faults = {"fail_every": 0, "fail_first": 0, "flip_byte": False, "delay_s": 0.0}
+    _RangeHandler.requests = _RangeHandler.max_active = 0
+    _RangeHandler.attempts = {}
     yield f"http://127.0.0.1:{server.server_address[1]}/store"
     server.shutdown()
 
 
 def test_http_store_is_readable_and_5xx_responses_are_retried(http_store, monkeypatch):
     monkeypatch.setattr(storage, "RETRY_BASE_S", 0.01)
-    _RangeHandler.faults["fail_every"] = 3  # every third request answers 503
+    _RangeHandler.faults["fail_first"] = 2  # every request answers 503 twice, then the data
     store = hsdata.open(http_store)
     for sample_id, sample in SAMPLES.items():
         assert_same(store.get(sample_id), sample)
@@ -184,3 +217,48 @@ def test_a_corrupted_http_response_never_becomes_a_sample(http_store):
     _RangeHandler.faults["flip_byte"] = False
     assert_same(store.get("s007"), SAMPLES["s007"])
     assert torch.equal(store.get("s007")["input_ids"], SAMPLES["s007"]["input_ids"])
+
+
+def test_merge_ranges_joins_close_ranges_of_one_object_up_to_a_size():
+    ranges = [("a", 100, 200), ("b", 0, 10), ("a", 0, 100), ("a", 250, 300), ("a", 2000, 2100), ("a", 300, 900)]
+    merged = storage.merge_ranges(ranges, max_gap=50, max_bytes=600)
+    assert merged == [("a", 0, 300, [2, 0, 3]), ("a", 300, 900, [5]), ("a", 2000, 2100, [4]), ("b", 0, 10, [1])]
+    assert storage.merge_ranges(ranges, max_gap=0, max_bytes=10**9)[0] == ("a", 0, 200, [2, 0])
+
+
+def test_neighbouring_samples_share_requests_and_come_back_exact(http_store):
+    store = hsdata.open(http_store)
+    first = store.storage_order()[:12]  # neighbours on disk: their ranges touch
+    _RangeHandler.requests = 0
+    for i in first:
+        store.read(int(i))
+    one_by_one, _RangeHandler.requests = _RangeHandler.requests, 0
+    got = store.read_many(first.tolist())
+    assert _RangeHandler.requests < one_by_one / 2
+    for i, sample in zip(first, got):
+        assert_same(sample, SAMPLES[store.sample_ids[i]])
+
+
+def test_requests_in_flight_are_bounded_by_concurrency(http_store):
+    store = hsdata.open(http_store, concurrency=3, range_bytes=1024)  # small ranges: many requests per sample
+    _RangeHandler.faults["delay_s"] = 0.02
+    _RangeHandler.max_active = 0
+    got = store.read_many(list(range(12)))
+    assert 1 < _RangeHandler.max_active <= 3
+    for sample in got:
+        assert_same(sample, SAMPLES[sample["sample_id"]])
+
+
+def test_the_local_cache_serves_later_epochs_and_stays_bounded(http_store, tmp_path):
+    cache = str(tmp_path / "cache")
+    first_epoch = hsdata.open(http_store, cache_dir=cache)
+    ids = [first_epoch.read(i)["sample_id"] for i in range(len(first_epoch))]
+    second_epoch = hsdata.open(http_store, cache_dir=cache)  # another process, say: it shares the directory
+    _RangeHandler.faults["fail_every"] = 1  # the server is gone: only the cache can answer
+    for i in reversed(range(len(second_epoch))):
+        assert_same(second_epoch.read(i), SAMPLES[ids[i]])
+    _RangeHandler.faults["fail_every"] = 0
+    small = hsdata.open(http_store, cache_dir=str(tmp_path / "small"), cache_max_bytes=64 << 10)
+    for i in range(len(small)):
+        assert_same(small.read(i), SAMPLES[ids[i]])
+        assert sum(f.stat().st_size for f in (tmp_path / "small").iterdir()) <= 64 << 10

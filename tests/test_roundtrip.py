@@ -27,6 +27,19 @@ def test_ragged_round_trip(store_path, ragged_samples):
         assert_same(store.get(sample_id), sample)
 
 
+def test_read_many_gives_what_read_gives(store_path, ragged_samples):
+    write_store(store_path, ragged_samples)
+    store = hsdata.open(str(store_path))
+    order = [7, 0, 48, 7, -1, 21]  # repeats and a negative index too
+    for i, got in zip(order, store.read_many(order)):
+        assert got["sample_id"] == store.sample_ids[i]
+        assert_same(got, ragged_samples[store.sample_ids[i]])
+    only = store.read_many([3, 4], fields=["input_ids"])
+    assert [set(s) for s in only] == [{"sample_id", "input_ids"}] * 2
+    with pytest.raises(IndexError, match="out of range"):
+        store.read_many([0, len(store)])
+
+
 def test_sample_longer_than_a_shard(store_path):
     samples = {"small": make_sample(3, 1), "huge": make_sample(3 * 256 + 100, 2), "after": make_sample(5, 3)}
     write_store(store_path, samples)
@@ -190,6 +203,7 @@ def test_loss_masks_added_later_fill_in_samples_written_without(store_path):
     store = hsdata.open(str(store_path))
     assert_same(store.get("a"), a)
     assert store.get("b")["loss_mask"] is None
+    assert "loss_mask" not in store.get("b", fields=["input_ids"])
     hsdata.add_loss_masks(str(store_path), {"b": b["loss_mask"]})
     assert_same(hsdata.open(str(store_path)).get("b"), b)
     with pytest.raises(hsdata.InvalidSampleError, match="sample 'c': a loss mask must be"):

@@ -237,7 +237,7 @@ def test_read_ahead_in_process_reads_the_coming_samples_and_returns_the_right_on
     batches = iter(loader)
     first = next(batches)
     assert first["sample_id"] == [store.read(i)["sample_id"] for i in order[:3]]
-    pending = [i for i, _ in dataset._ahead._pending]
+    pending = [i for i, _, _ in dataset._ahead._pending]
     assert pending == order[3 : 3 + len(pending)] and len(pending) > 1  # the next samples are already coming
     for k, batch in enumerate(batches, start=1):
         for b, i in enumerate(order[3 * k : 3 * k + 3]):
