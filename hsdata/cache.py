@@ -29,24 +29,30 @@ class RangeCache:
         self._lock = threading.Lock()
         self._bytes = sum(size for _, size, _ in self._entries())
 
-    def get(self, location: str, start: int, end: int) -> bytes | None:
+    def get_into(self, location: str, start: int, end: int, buffers) -> bool:
+        """Fill ``buffers`` with the cached range; False (buffers untouched or partly written) if it is absent."""
         path = self._path(location, start, end)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-            os.utime(path)  # recently used
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            return None
-        return data if len(data) == end - start else None
+            return False
+        try:
+            if os.fstat(fd).st_size != end - start or os.readv(fd, buffers) != end - start:
+                return False
+        finally:
+            os.close(fd)
+        os.utime(path)  # recently used
+        return True
 
-    def put(self, location: str, start: int, end: int, data) -> None:
+    def put_from(self, location: str, start: int, end: int, buffers) -> None:
         path = self._path(location, start, end)
         partial = f"{path}.{uuid.uuid4().hex[:12]}.partial"
         with open(partial, "wb") as f:
-            f.write(data)
+            for buffer in buffers:
+                f.write(buffer)
         os.replace(partial, path)
         with self._lock:
-            self._bytes += len(data)
+            self._bytes += end - start
             if self._bytes > self.max_bytes:
                 self._evict()
 

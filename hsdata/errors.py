@@ -31,5 +31,10 @@ class CorruptDataError(HsdataError, OSError):
     """Bytes read from the store do not match their checksum, or a file is truncated or missing."""
 
 
+class RemoteReadError(HsdataError, OSError):
+    """A remote read kept failing transiently (5xx, timeouts, dropped connections) through every retry; the
+    last failure is its ``__cause__``."""
+
+
 class WriterError(HsdataError, RuntimeError):
     """The writer's background I/O failed or the writer is closed; nothing after the last commit is visible."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -18,6 +19,7 @@ from .layout import load_spec, shard_key
 from .pool import ProcessLocalPool
 from .shard import CRC_NBYTES, ShardRange, token_ranges
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
+from .buffers import BufferPool
 from .cache import RangeCache
 from .storage import MAX_REQUESTS, Storage
 
@@ -26,6 +28,7 @@ LOCAL_CONCURRENCY = 2  # I/O threads reading a local store
 REMOTE_CONCURRENCY = MAX_REQUESTS  # requests in flight to a remote store
 DEFAULT_RANGE_BYTES = 8 << 20  # within S3's guidance of 8-16 MB per ranged GET
 DEFAULT_CACHE_BYTES = 64 << 30
+IDLE_BUFFER_BYTES = 1 << 30  # sample buffers kept for reuse once their tensors are gone
 INLINE_READ_BYTES = 1 << 20  # smaller samples are read on the calling thread
 _TORCH_DTYPES = {"int32": torch.int32, "uint8": torch.uint8, "uint16": torch.bfloat16}
 
@@ -61,6 +64,7 @@ class Store:
         self.verify = verify
         self._storage = storage
         self._pool = ProcessLocalPool(concurrency, "hsdata-read")
+        self._buffers = BufferPool(IDLE_BUFFER_BYTES)
         self._range_bytes = range_bytes
         self.manifest = _drop_duplicates(rows, storage.url)
         self._ids: list[str] = self.manifest.column("sample_id").to_pylist()
@@ -137,13 +141,13 @@ class Store:
         try:
             for read, _ in zip(reads, self._fetch(reads)):
                 if self.verify:  # overlaps with the reads still in flight
-                    read.plan.hashers[read.tensor].update(read.destination)
+                    read.hasher.update(read.destination)
                 done += 1
         except FileNotFoundError as e:
-            raise CorruptDataError(f"sample {reads[done].plan.sample_id!r}: shard file missing: "
+            raise CorruptDataError(f"sample {reads[done].sample_id!r}: shard file missing: "
                                    f"{e.filename or e}") from None
         except CorruptDataError as e:
-            raise CorruptDataError(f"sample {reads[done].plan.sample_id!r}: {e}") from None
+            raise CorruptDataError(f"sample {reads[done].sample_id!r}: {e}") from None
         return [self._finish(plan) for plan in plans]
 
     def storage_order(self) -> np.ndarray:
@@ -178,9 +182,10 @@ class Store:
         part, offset, length = self.location(i)
         with_mask = self._has_loss_mask[i]
         tensors = [self.spec.tensor(n) for n in names if n != "loss_mask" or with_mask]
-        outputs = [torch.empty(length * t.row_nbytes, dtype=torch.uint8) for t in tensors]
         if shared:
-            outputs = [o.share_memory_() for o in outputs]
+            outputs = [torch.empty(length * t.row_nbytes, dtype=torch.uint8).share_memory_() for t in tensors]
+        else:
+            outputs = [self._buffers.take(length * t.row_nbytes) for t in tensors]
         plan = _Plan(i, self._ids[i], tensors, outputs, [manifest.content_hasher() for _ in tensors])
         if "loss_mask" in names and not with_mask:
             plan.mask_added_later, plan.added_mask = True, self._added_masks.get(self._ids[i])
@@ -188,7 +193,7 @@ class Store:
             buffer, start = memoryview(output.numpy()), 0
             for whole in token_ranges(self.spec, tensor, offset, length):
                 for r in whole.split(self._range_bytes):
-                    plan.reads.append(_Read(plan, k, shard_key(part, tensor, r.shard), r,
+                    plan.reads.append(_Read(plan.sample_id, plan.hashers[k], shard_key(part, tensor, r.shard), r,
                                             buffer[start : start + r.nbytes]))
                     start += r.nbytes
         return plan
@@ -219,10 +224,9 @@ class Store:
         remote store all ranges are fetched together (neighbours merged, a bounded number in flight).
         """
         if not self._storage.is_local:
-            ranges = [(read.key, read.range.file_start, read.range.file_end) for read in reads]
-            for read, data in zip(reads, self._storage.read_ranges(ranges, merge_up_to=self._range_bytes)):
-                _scatter(data, read.range, read.destination, self._where(read.key, read.range))
-                yield
+            requests = [(read.key, read.range.file_start, _iov(read)) for read in reads]
+            with closing(self._storage.read_into(requests, merge_up_to=self._range_bytes)) as arriving:
+                yield from arriving
         elif len(reads) == 1 or sum(read.range.nbytes for read in reads) < INLINE_READ_BYTES:
             for read in reads:
                 self._pread(read)
@@ -238,18 +242,14 @@ class Store:
                     future.cancel()
 
     def _pread(self, read: _Read) -> None:
-        key, r = read.key, read.range
-        crc = bytearray(CRC_NBYTES)  # checksums between chunks are skipped; validate checks them
-        iov = []
-        for piece in _pieces(r, read.destination):
-            iov += (crc, piece) if iov else (piece,)
-        position = r.file_start
+        iov, position = _iov(read), read.range.file_start
         for first in range(0, len(iov), IOV_MAX):
             batch = iov[first : first + IOV_MAX]
             want = sum(len(b) for b in batch)
-            got = self._storage.pread_into(key, position, batch)
+            got = self._storage.pread_into(read.key, position, batch)
             if got != want:
-                raise CorruptDataError(f"{self._where(key, r)}: truncated, read {got} of {want} bytes at {position}")
+                raise CorruptDataError(f"{self._where(read.key, read.range)}: truncated, read {got} of {want} "
+                                       f"bytes at {position}")
             position += got
 
     def _check_hash(self, i: int, tensor: TensorSpec, computed: int) -> None:
@@ -281,29 +281,24 @@ class _Plan:
 
 @dataclass
 class _Read:
-    """One byte range of a shard file and where its payload goes."""
+    """One byte range of a shard file, where its payload goes, and the hasher of its tensor (no reference back
+    to the plan: a cycle would keep the sample's buffers alive, out of the pool, until the garbage collector ran)."""
 
-    plan: _Plan
-    tensor: int  # position in plan.tensors
+    sample_id: str
+    hasher: Any
     key: str
     range: ShardRange
     destination: memoryview
 
 
-def _pieces(r: ShardRange, destination: memoryview) -> Iterator[memoryview]:
-    """Split a range's destination into the payload piece of each chunk it touches."""
-    for size in r.pieces:
-        yield destination[:size]
+def _iov(read: _Read) -> list:
+    """Buffers that take a read's range as it lies in the file: each chunk's payload piece into its place in the
+    destination, the crc32c between two pieces into a throwaway buffer (validate checks those)."""
+    crc, iov, destination = bytearray(CRC_NBYTES), [], read.destination
+    for size in read.range.pieces:
+        iov += (crc, destination[:size]) if iov else (destination[:size],)
         destination = destination[size:]
-
-
-def _scatter(data: bytes, r: ShardRange, destination: memoryview, where: str) -> None:
-    if len(data) != r.file_end - r.file_start:
-        raise CorruptDataError(f"{where}: got {len(data)} bytes, expected {r.file_end - r.file_start} (truncated?)")
-    source = memoryview(data)
-    for piece in _pieces(r, destination):
-        piece[:] = source[: len(piece)]
-        source = source[len(piece) + CRC_NBYTES :]
+    return iov
 
 
 def _check_fields(fields: Iterable[str] | None) -> tuple[str, ...]:

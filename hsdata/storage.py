@@ -17,14 +17,17 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Awaitable, BinaryIO, Callable, Iterator, Sequence, TypeVar
 
 import fsspec
-import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractBufferedFile
 
+from . import remote
 from .cache import RangeCache
+from .errors import RemoteReadError
 
 MAX_OPEN_FILES = 256
 RETRIES = 5  # attempts after the first, for transient errors of remote reads
@@ -101,24 +104,42 @@ class Storage:
     def read_range(self, key: str, start: int, end: int) -> bytes:
         return self._retrying(lambda: self.fs.cat_file(self.path(key), start=start, end=end), key)
 
-    def read_ranges(self, ranges: Sequence[tuple[str, int, int]], *, merge_up_to: int = 0) -> list[memoryview]:
-        """The bytes ``[start, end)`` of each ``(key, start, end)``: from the cache where it has them, the rest
-        fetched concurrently, ranges of one object at most ``MERGE_GAP`` apart merged into requests of up to
-        ``merge_up_to`` bytes. A short response comes back short (the caller checks lengths)."""
-        out: list = [None] * len(ranges)
-        if self.cache is not None:
+    def read_into(self, requests: Sequence[tuple[str, int, Sequence[memoryview]]], *,
+                  merge_up_to: int = 0) -> Iterator[None]:
+        """Remote only: fill each ``(key, offset, buffers)`` with the object's bytes from ``offset`` on (like
+        ``preadv``), yielding once per request, in order, as soon as it is filled. Requests come from the cache
+        where it has them; the rest are fetched at once, at most ``max_requests`` in flight, those of one object
+        at most ``MERGE_GAP`` apart sharing GETs of up to ``merge_up_to`` bytes. Closing the iterator cancels
+        what is left; a response of the wrong length raises :class:`CorruptDataError`."""
+        ranges = [(key, offset, offset + sum(len(b) for b in buffers)) for key, offset, buffers in requests]
+        cached = [self.cache is not None and self.cache.get_into(self.describe(key), start, end, requests[k][2])
+                  for k, (key, start, end) in enumerate(ranges)]
+        missing = [k for k in range(len(requests)) if not cached[k]]
+        gets = merge_ranges([ranges[k] for k in missing], max_gap=MERGE_GAP, max_bytes=merge_up_to)
+        get_of = {missing[m]: g for g, (_, _, _, members) in enumerate(gets) for m in members}
+        pending = [self._start_get_into(key, start, end, self._gather_buffers([missing[m] for m in members], ranges,
+                                                                              requests))
+                   for key, start, end, members in gets]
+        try:
             for k, (key, start, end) in enumerate(ranges):
-                out[k] = self.cache.get(self.describe(key), start, end)
-        missing = [k for k in range(len(ranges)) if out[k] is None]
-        requests = merge_ranges([ranges[k] for k in missing], max_gap=MERGE_GAP, max_bytes=merge_up_to)
-        for (key, start, end, members), data in zip(requests, self._fetch([r[:3] for r in requests])):
-            view = memoryview(data)
-            for m in members:
-                k, (_, a, b) = missing[m], ranges[missing[m]]
-                out[k] = view[a - start : b - start]
-                if self.cache is not None and len(out[k]) == b - a:
-                    self.cache.put(self.describe(key), a, b, out[k])
-        return out
+                if not cached[k]:
+                    pending[get_of[k]].result()
+                    if self.cache is not None:
+                        self.cache.put_from(self.describe(key), start, end, requests[k][2])
+                yield
+        finally:
+            for future in pending:
+                future.cancel()
+
+    @staticmethod
+    def _gather_buffers(members: list[int], ranges, requests) -> list:
+        """The buffers of one merged GET: each member's, with a throwaway buffer over each gap between them."""
+        buffers: list = []
+        for before, k in zip([None, *members], members):
+            if before is not None and ranges[k][1] > ranges[before][2]:
+                buffers.append(bytearray(ranges[k][1] - ranges[before][2]))
+            buffers.extend(requests[k][2])
+        return buffers
 
     def pread_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
         """Local only: one ``preadv`` filling ``buffers`` from ``offset``; returns the bytes read."""
@@ -131,22 +152,41 @@ class Storage:
 
     def _fetch(self, requests: Sequence[tuple[str, int | None, int | None]]) -> list[bytes]:
         """``(key, start, end)`` ranges (``None, None``: the whole object), at most ``max_requests`` in flight."""
-        if not requests:
-            return []
-        if not getattr(self.fs, "async_impl", False):
-            return [self._retrying(lambda r=r: self.fs.cat_file(self.path(r[0]), start=r[1], end=r[2]), r[0])
-                    for r in requests]
-        return fsspec.asyn.sync(self.fs.loop, self._gather, requests)
+        pending = self._submit(requests)
+        try:
+            return [future.result() for future in pending]
+        finally:
+            for future in pending:
+                future.cancel()
 
-    async def _gather(self, requests: Sequence[tuple[str, int | None, int | None]]) -> list[bytes]:
-        limit = self._requests_limit()
+    def _submit(self, requests: Sequence[tuple[str, int | None, int | None]]) -> list[Future]:
+        """Start fetching every request on fsspec's event loop; a synchronous filesystem fetches them here."""
+        if not self.fs.async_impl:
+            done = []
+            for key, start, end in requests:
+                done.append(Future())
+                done[-1].set_result(self._retrying(lambda: self.fs.cat_file(self.path(key), start=start, end=end), key))
+            return done
+        return [asyncio.run_coroutine_threadsafe(self._get(*request), self.fs.loop) for request in requests]
 
-        async def one(key: str, start: int | None, end: int | None) -> bytes:
-            async with limit:
-                return await self._retrying_async(lambda: self.fs._cat_file(self.path(key), start=start, end=end), key)
+    async def _get(self, key: str, start: int | None, end: int | None) -> bytes:
+        async with self._requests_limit():
+            return await self._retrying_async(lambda: self.fs._cat_file(self.path(key), start=start, end=end), key)
 
-        got = await asyncio.gather(*(one(*r) for r in requests), return_exceptions=True)
-        return [_raise_if_error(data) for data in got]
+    def _start_get_into(self, key: str, start: int, end: int, buffers: list) -> Future:
+        """Start filling ``buffers`` with bytes ``[start, end)`` of ``key`` (a synchronous filesystem: fill now)."""
+        where = f"{self.describe(key)} bytes [{start}, {end})"
+        if self.fs.async_impl:
+            return asyncio.run_coroutine_threadsafe(self._get_into(key, start, end, buffers, where), self.fs.loop)
+        done = Future()
+        data = self._retrying(lambda: self.fs.cat_file(self.path(key), start=start, end=end), key)
+        done.set_result(remote.fill(buffers, [data], where))
+        return done
+
+    async def _get_into(self, key: str, start: int, end: int, buffers: list, where: str) -> None:
+        async with self._requests_limit():
+            await self._retrying_async(lambda: remote.read_range_into(self.fs, self.path(key), start, end, buffers,
+                                                                      where), key)
 
     def _requests_limit(self) -> asyncio.Semaphore:
         """The semaphore bounding this process's requests in flight (made on fsspec's loop; again after fork)."""
@@ -174,27 +214,33 @@ class Storage:
 
     def _retry_delay(self, error: Exception, attempt: int, key: str) -> float:
         """Seconds to wait before retrying after ``error``; raises ``error`` when a retry is not worth it."""
-        if self.is_local or attempt == RETRIES or not _transient(error):
+        if self.is_local or not _transient(error):
             raise error
+        shown = error.__cause__ if not str(error) and error.__cause__ is not None else error  # fsspec's
+        # FSTimeoutError() has an empty message; what it wraps says which timeout
+        if attempt == RETRIES:
+            raise RemoteReadError(f"reading {self.describe(key)} failed {attempt + 1} times; the last time: "
+                                  f"{type(shown).__name__}: {shown}") from error
         delay = RETRY_BASE_S * 2**attempt * random.uniform(0.5, 1.5)
         log.warning("hsdata: reading %s failed (%s: %s); retry %d of %d in %.1f s", self.describe(key),
-                    type(error).__name__, str(error)[:200], attempt + 1, RETRIES, delay)
+                    type(shown).__name__, str(shown)[:200], attempt + 1, RETRIES, delay)
         return delay
 
 
 def merge_ranges(ranges: Sequence[tuple[str, int, int]], *, max_gap: int,
                  max_bytes: int) -> list[tuple[str, int, int, list[int]]]:
     """Group ``(key, start, end)`` ranges into requests ``(key, start, end, members)``: ranges of one key whose
-    gap is at most ``max_gap`` share a request while it stays within ``max_bytes`` (a single range may exceed it).
+    gap is at most ``max_gap`` (and that do not overlap) share a request while it stays within ``max_bytes`` (a
+    single range may exceed it).
     ``members`` are positions in ``ranges``."""
     requests: list[tuple[str, int, int, list[int]]] = []
     for k in sorted(range(len(ranges)), key=lambda k: ranges[k]):
         key, start, end = ranges[k]
         if requests:
             last_key, last_start, last_end, members = requests[-1]
-            if key == last_key and start - last_end <= max_gap and max(end, last_end) - last_start <= max_bytes:
+            if key == last_key and last_end <= start <= last_end + max_gap and end - last_start <= max_bytes:
                 members.append(k)
-                requests[-1] = (key, last_start, max(end, last_end), members)
+                requests[-1] = (key, last_start, end, members)
                 continue
         requests.append((key, start, end, [k]))
     return requests
@@ -202,6 +248,8 @@ def merge_ranges(ranges: Sequence[tuple[str, int, int]], *, max_gap: int,
 
 def _transient(error: BaseException) -> bool:
     """Whether a remote read may succeed if tried again."""
+    if isinstance(error, RemoteReadError):
+        return False  # already retried RETRIES times
     if isinstance(error, FileNotFoundError) and error.__cause__ is not None:
         return _transient(error.__cause__)  # fsspec's HTTP info turns every failure into FileNotFoundError
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
@@ -211,12 +259,6 @@ def _transient(error: BaseException) -> bool:
         return status >= 500 or status in (408, 429)
     return isinstance(error, (OSError, TimeoutError, ConnectionError)) or type(error).__module__.startswith(
         ("aiohttp", "botocore", "urllib3"))
-
-
-def _raise_if_error(data):
-    if isinstance(data, BaseException):
-        raise data
-    return data
 
 
 class AtomicWriter:
@@ -278,9 +320,14 @@ class _RemoteWriter(AtomicWriter):
         return True
 
     def abort(self) -> None:
-        discard = getattr(self._file, "discard", None)
-        if discard is not None:
-            discard()
+        try:
+            discard = getattr(self._file, "discard", None)
+            if discard is not None:
+                discard()
+        finally:
+            if isinstance(self._file, AbstractBufferedFile):
+                self._file.closed = True  # so that no close(), not even at garbage collection, uploads (or fails
+                # flushing the buffer discard() dropped)
 
 
 def _fsync_dir(path: str) -> None:
