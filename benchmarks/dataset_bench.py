@@ -5,8 +5,10 @@ The same samples in the same random order for all; batch size 1. hsdata runs twi
 (``num_workers=0``, reading ahead on threads once told the order) and with ``--workers`` worker processes, like
 the ``torch.save`` files. Raw reads run sample after sample on one thread, and with ``--workers`` threads per
 sample in 8 MiB ranges. Cold passes drop the page cache first (root); warm passes follow an untimed pass.
+Ratios are medians over rounds of (raw pass time / method pass time), each round's passes run back to back.
 
     python benchmarks/dataset_bench.py --dir /tmp/hsbench-dataset --gib 3 --workers 4
+    python benchmarks/dataset_bench.py --dir /tmp/hsbench-dataset --gib 3 --repeat 7 --modes cold --in-process-only
 """
 
 from __future__ import annotations
@@ -66,13 +68,17 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
+    parser.add_argument("--in-process-only", action="store_true",
+                        help="only the raw reads and hsdata in the training process (no workers, no torch.save files)")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     lengths = make_lengths(np.random.default_rng(0), int(args.gib * 2**30 / (8 * args.hidden + 5)))
     built = build(args.dir, lengths, args.hidden, 3, [None], 0)
     saves = os.path.join(args.dir, "torch-save")
-    write_torch_save_dir(saves, lengths, args.hidden, 0)
+    if not args.in_process_only:
+        write_torch_save_dir(saves, lengths, args.hidden, 0)
     order = np.random.default_rng(1).permutation(len(lengths))
     methods = {
         "raw pread (same bytes)": lambda: read_raw(built["flat"], built["ranges"], order),
@@ -84,15 +90,19 @@ def main() -> None:
         f"torch.save per sample, {args.workers} workers": lambda: through_loader(
             TorchSaveDir(saves, len(lengths)), order, args.workers),
     }
+    if args.in_process_only:
+        methods = {name: run for name, run in methods.items() if "workers" not in name}
     gb = built["bytes"] / 1e9
     print(f"{len(lengths)} samples, {sum(lengths)} tokens, {gb:.2f} GB, hidden {args.hidden}")
-    for mode in ("cold", "warm"):
+    raw_names = ("raw pread (same bytes)", f"raw pread, {args.workers} threads")
+    for mode in args.modes:
         times = interleaved_times(methods, mode=mode, repeat=args.repeat)
-        raw = float(np.median(times["raw pread (same bytes)"]))
         for name, t in times.items():
             seconds = float(np.median(t))
+            paired = [float(np.median([r / x for r, x in zip(times[raw], t)])) for raw in raw_names]
             print(f"{mode:4} {name:38} {seconds:6.2f} s  {len(lengths) / seconds:7.1f} samples/s  "
-                  f"{gb / seconds:5.2f} GB/s  x raw {raw / seconds:4.2f}   (all {[round(x, 2) for x in t]})")
+                  f"{gb / seconds:5.2f} GB/s  x raw 1 thread {paired[0]:4.2f}  x raw {args.workers} threads "
+                  f"{paired[1]:4.2f}   (all {[round(x, 2) for x in t]})")
 
 
 if __name__ == "__main__":

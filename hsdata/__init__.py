@@ -11,6 +11,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CorruptDataError", "DuplicateSampleError", "FORMAT_VERSION", "HsdataError", "InvalidSampleError",
-    "NotAStoreError", "RemoteReadError", "SpecMismatchError", "Store", "StoreSpec", "TensorSpec", "UnsupportedFormatError", "Writer",
-    "WriterError", "add_loss_masks", "create", "open",
+    "NotAStoreError", "RemoteReadError", "SpecMismatchError", "Store", "StoreSpec", "TensorSpec",
+    "UnsupportedFormatError", "Writer", "WriterError", "add_loss_masks", "create", "open",
 ]

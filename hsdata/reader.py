@@ -24,7 +24,7 @@ from .cache import RangeCache
 from .storage import MAX_REQUESTS, Storage
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-LOCAL_CONCURRENCY = 2  # I/O threads reading a local store
+LOCAL_CONCURRENCY = 4  # I/O threads reading a local store
 REMOTE_CONCURRENCY = MAX_REQUESTS  # requests in flight to a remote store
 DEFAULT_RANGE_BYTES = 8 << 20  # within S3's guidance of 8-16 MB per ranged GET
 DEFAULT_CACHE_BYTES = 64 << 30
@@ -41,7 +41,7 @@ def open(url: str, *, storage_options: dict | None = None, verify: bool = True, 
     With ``verify`` (the default) every tensor read is checked against its per-sample xxh3 from the manifest,
     so a corrupt or misplaced byte raises :class:`CorruptDataError` instead of reaching training. A sample's
     bytes are read as ranges of about ``range_bytes``, ``concurrency`` at a time: I/O threads on a local disk
-    (default 2), requests in flight on a remote store (default 32; ranges of one object less than 1 MiB apart
+    (default 4), requests in flight on a remote store (default 32; ranges of one object less than 1 MiB apart
     are merged into requests of up to ``range_bytes``). ``cache_dir`` keeps the remote ranges read on a local
     disk for later epochs, at most ``cache_max_bytes`` of them.
     """

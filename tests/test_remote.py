@@ -4,8 +4,11 @@ server, both on loopback and started here; faults injected into the HTTP server'
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -262,3 +265,20 @@ def test_the_local_cache_serves_later_epochs_and_stays_bounded(http_store, tmp_p
     for i in range(len(small)):
         assert_same(small.read(i), SAMPLES[ids[i]])
         assert sum(f.stat().st_size for f in (tmp_path / "small").iterdir()) <= 64 << 10
+
+
+def test_extract_writes_a_store_to_s3(s3, tmp_path):
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "input_ids": list(range(1, 9 + i))}) + "\n"
+                                                 for i in range(4)))
+    url = f"s3://{BUCKET}/extracted"
+    done = subprocess.run([sys.executable, "-m", "hsdata", "extract", "--model", str(tmp_path / "config.json"),
+                           "--data", str(tmp_path / "rows.jsonl"), "--out", url, "--aux-layers", "0", "1", "2",
+                           "--storage-option", f"endpoint_url={s3['options']['endpoint_url']}"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    store = hsdata.open(url, storage_options=s3["options"])
+    assert sorted(store.sample_ids) == [f"r{i}" for i in range(4)] and store.spec.hidden_size == 64
+    assert validate(url, storage_options=s3["options"]).ok
