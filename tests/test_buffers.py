@@ -6,6 +6,8 @@ import multiprocessing
 
 import torch
 
+import hsdata
+from conftest import assert_same, make_sample, write_store
 from hsdata.buffers import MIN_POOLED_BYTES, BufferPool
 
 
@@ -50,9 +52,6 @@ def test_a_forked_child_writing_a_pooled_buffer_leaves_the_parent_s_alone():
 
 
 def test_a_store_recycles_the_buffers_of_samples_no_longer_referenced(tmp_path):
-    import hsdata
-    from conftest import assert_same, make_sample, write_store
-
     sample = make_sample(6000, seed=1)  # aux_hidden_states: 6000 * 192 bytes, pooled
     write_store(tmp_path / "store", {"big": sample})
     store = hsdata.open(str(tmp_path / "store"))
@@ -63,3 +62,28 @@ def test_a_store_recycles_the_buffers_of_samples_no_longer_referenced(tmp_path):
     assert len(store._buffers._buffers) == 2 and all(torch.equal(k["aux_hidden_states"].view(torch.int16),
                                                                  sample["aux_hidden_states"].view(torch.int16))
                                                      for k in kept)
+
+
+class _StoreItems(torch.utils.data.Dataset):
+    """A user's own dataset returning ``store[i]`` as is: pooled buffers cross to the main process."""
+
+    def __init__(self, url: str, count: int):
+        self.url, self.count, self.store = url, count, None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int):
+        if self.store is None:
+            self.store = hsdata.open(self.url)
+        return self.store[i]
+
+
+def test_pooled_tensors_cross_dataloader_workers_intact(tmp_path):
+    samples = {f"s{i}": make_sample(6000, seed=i) for i in range(4)}  # pooled: over a MiB each
+    write_store(tmp_path / "store", samples)
+    for context in ("fork", "spawn"):
+        loader = torch.utils.data.DataLoader(_StoreItems(str(tmp_path / "store"), 4), batch_size=None,
+                                             num_workers=2, multiprocessing_context=context)
+        seen = [item["sample_id"] for item in loader if assert_same(item, samples[item["sample_id"]]) is None]
+        assert sorted(seen) == sorted(samples), context
