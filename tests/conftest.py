@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -41,6 +43,18 @@ def write_store(path, samples: dict[str, dict], **layout) -> None:
     with hsdata.create(str(path), **SPEC, **(layout or SMALL_LAYOUT)) as w:
         for sample_id, sample in samples.items():
             w.add(sample_id, **sample)
+
+
+def range_answer(path: str, range_header: str | None) -> tuple[int, dict[str, str], bytes]:
+    """What a static file server answers to a GET of ``path`` with that Range header: status, headers, body."""
+    data = open(path, "rb").read()
+    match = re.fullmatch(r"bytes=(\d+)-(\d*)", range_header or "")
+    if not match:
+        return 200, {"Content-Length": str(len(data)), "Accept-Ranges": "bytes"}, data
+    start = int(match.group(1))
+    body = data[start : int(match.group(2)) + 1 if match.group(2) else len(data)]
+    return 206, {"Content-Length": str(len(body)), "Accept-Ranges": "bytes",
+                 "Content-Range": f"bytes {start}-{start + len(body) - 1}/{len(data)}"}, body
 
 
 @pytest.fixture

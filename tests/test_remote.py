@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import hsdata
 from hsdata import storage
-from conftest import SMALL_LAYOUT, assert_same, make_sample, write_store
+from conftest import SMALL_LAYOUT, assert_same, make_sample, range_answer, write_store
 from hsdata.errors import CorruptDataError
 from hsdata.validate import validate
 from hsdata.torch import Eagle3Dataset, ShardAwareSampler, collate_eagle3
@@ -155,20 +155,12 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
             self._done()
             self.send_error(503, "injected fault") if fail else self.send_error(404)
             return
-        data = open(path, "rb").read()
-        status, body = 200, data
-        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        if match:
-            start = int(match.group(1))
-            end = int(match.group(2)) + 1 if match.group(2) else len(data)
-            status, body = 206, data[start:end]
-            if self.faults["flip_byte"] and "/c/" in self.path and body:
-                body = bytes([body[0] ^ 0x01]) + body[1:]
+        status, headers, body = range_answer(path, self.headers.get("Range"))
+        if self.faults["flip_byte"] and status == 206 and "/c/" in self.path and body:
+            body = bytes([body[0] ^ 0x01]) + body[1:]
         self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Accept-Ranges", "bytes")
-        if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
+        for name, value in headers.items():
+            self.send_header(name, value)
         self._done()
         self.end_headers()
         if not head:

@@ -25,7 +25,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 import hsdata
-from conftest import SMALL_LAYOUT, SPEC, assert_same, make_sample, write_store
+from conftest import SMALL_LAYOUT, SPEC, assert_same, make_sample, range_answer, write_store
 from hsdata import storage
 from hsdata.errors import WriterError
 from hsdata.torch import Eagle3Dataset, ShardAwareSampler, collate_eagle3
@@ -110,20 +110,12 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         if not os.path.isfile(path):
             self.send_error(404)
             return
-        data = open(path, "rb").read()
-        status, body = 200, data
-        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        if match:
-            start = int(match.group(1))
-            end = int(match.group(2)) + 1 if match.group(2) else len(data)
-            status, body = 206, data[start:end]
+        status, headers, body = range_answer(path, self.headers.get("Range"))
         if stall == "headers":
             state.stop.wait(state.slow_s)  # nothing at all for a while: the client's read times out
         self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Accept-Ranges", "bytes")
-        if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
+        for name, value in headers.items():
+            self.send_header(name, value)
         self.end_headers()
         if head:
             return
