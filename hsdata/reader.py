@@ -45,6 +45,8 @@ def open(url: str, *, storage_options: dict | None = None, verify: bool = True, 
     are merged into requests of up to ``range_bytes``). ``cache_dir`` keeps the remote ranges read on a local
     disk for later epochs, at most ``cache_max_bytes`` of them.
     """
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir is not None else None
     storage = Storage(url, storage_options, max_requests=concurrency or REMOTE_CONCURRENCY, cache=cache)
     return Store(storage, load_spec(storage), manifest.load(storage), masks.load(storage), verify=verify,
@@ -57,7 +59,7 @@ class Store:
     def __init__(self, storage: Storage, spec: StoreSpec, rows: pa.Table, added_masks: dict[str, bytes], *,
                  verify: bool = True, concurrency: int | None = None, range_bytes: int = DEFAULT_RANGE_BYTES):
         """``concurrency``: I/O threads for a local store (a remote one's limit is ``storage.max_requests``)."""
-        concurrency = concurrency or LOCAL_CONCURRENCY
+        concurrency = LOCAL_CONCURRENCY if concurrency is None else concurrency
         if concurrency < 1 or range_bytes < 1:
             raise ValueError(f"concurrency and range_bytes must be positive, got {concurrency} and {range_bytes}")
         self.spec = spec

@@ -114,6 +114,18 @@ def test_not_a_store(tmp_path):
         hsdata.open(str(tmp_path))
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"concurrency": 0}, "concurrency must be >= 1, got 0"),
+    ({"range_bytes": 0}, "concurrency and range_bytes must be positive"),
+    ({"cache_dir": "unused", "cache_max_bytes": 0}, "cache max_bytes must be >= 1, got 0"),
+])
+def test_bad_open_arguments(store_path, options, message):
+    with hsdata.create(str(store_path), **SPEC) as w:
+        w.add("a", **GOOD)
+    with pytest.raises(ValueError, match=message):
+        hsdata.open(str(store_path), **options)
+
+
 def test_unsupported_format_version(store_path):
     with hsdata.create(str(store_path), **SPEC):
         pass
