@@ -65,8 +65,7 @@ class Eagle3Dataset(Dataset):
         return self._store
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_store": None, "_ahead": None, "_pool": ProcessLocalPool(READ_AHEAD_THREADS,
-                                                                                           "hsdata-read-ahead")}
+        return {**self.__dict__, "_store": None, "_ahead": None}  # the pool pickles without its threads
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.server
+import os
 import re
 
 import numpy as np
@@ -43,6 +45,29 @@ def write_store(path, samples: dict[str, dict], **layout) -> None:
     with hsdata.create(str(path), **SPEC, **(layout or SMALL_LAYOUT)) as w:
         for sample_id, sample in samples.items():
             w.add(sample_id, **sample)
+
+
+class RangeFilesHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves a directory: listings as the standard handler does (fsspec's HTTP ``ls`` parses them), files
+    through ``serve_file``, which subclasses write (usually with :func:`range_answer`)."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self):  # noqa: N802
+        self._serve(head=True)
+
+    def do_GET(self):  # noqa: N802
+        self._serve(head=False)
+
+    def _serve(self, head: bool) -> None:
+        path = self.translate_path(self.path)
+        if os.path.isdir(path):
+            return super().do_HEAD() if head else super().do_GET()
+        self.serve_file(path, head)
+
+    def serve_file(self, path: str, head: bool) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
 
 
 def range_answer(path: str, range_header: str | None) -> tuple[int, dict[str, str], bytes]:

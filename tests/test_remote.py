@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import hsdata
 from hsdata import storage
-from conftest import SMALL_LAYOUT, assert_same, make_sample, range_answer, write_store
+from conftest import SMALL_LAYOUT, RangeFilesHandler, assert_same, make_sample, range_answer, write_store
 from hsdata.errors import CorruptDataError
 from hsdata.validate import validate
 from hsdata.torch import Eagle3Dataset, ShardAwareSampler, collate_eagle3
@@ -102,7 +102,7 @@ def test_a_corrupt_object_on_s3_raises_and_validate_reports_it(s3, tmp_path):
     assert not validate(url, storage_options=s3["options"]).ok
 
 
-class _RangeHandler(http.server.SimpleHTTPRequestHandler):
+class _RangeHandler(RangeFilesHandler):
     """Static files with HTTP Range support; ``faults`` decides what to do to each file request."""
 
     faults = {"fail_every": 0, "fail_first": 0, "flip_byte": False, "delay_s": 0.0}
@@ -111,19 +111,7 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
     active = max_active = 0  # file requests being answered now, and the most at once
     lock = threading.Lock()
 
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_HEAD(self):  # noqa: N802
-        self._serve(head=True)
-
-    def do_GET(self):  # noqa: N802
-        self._serve(head=False)
-
-    def _serve(self, head: bool) -> None:
-        path = self.translate_path(self.path)
-        if os.path.isdir(path):
-            return super().do_HEAD() if head else super().do_GET()  # the directory listing fsspec parses
+    def serve_file(self, path: str, head: bool) -> None:
         with _RangeHandler.lock:
             _RangeHandler.requests += 1
             _RangeHandler.active += 1

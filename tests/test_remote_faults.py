@@ -25,7 +25,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 import hsdata
-from conftest import SMALL_LAYOUT, SPEC, assert_same, make_sample, range_answer, write_store
+from conftest import SMALL_LAYOUT, SPEC, RangeFilesHandler, assert_same, make_sample, range_answer, write_store
 from hsdata import storage
 from hsdata.errors import WriterError
 from hsdata.torch import Eagle3Dataset, ShardAwareSampler, collate_eagle3
@@ -67,11 +67,8 @@ class _State:
             return "headers" if self.stalled % 2 else "body"
 
 
-class _Handler(http.server.SimpleHTTPRequestHandler):
+class _Handler(RangeFilesHandler):
     protocol_version = "HTTP/1.1"  # persistent connections, as real object stores and CDNs keep them
-
-    def log_message(self, *args) -> None:
-        pass
 
     def setup(self) -> None:
         super().setup()
@@ -92,16 +89,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         except OSError:  # the client gave up on a stalled answer, or the server was killed under it
             pass
 
-    def do_HEAD(self):  # noqa: N802
-        self._serve(head=True)
-
-    def do_GET(self):  # noqa: N802
-        self._serve(head=False)
-
-    def _serve(self, head: bool) -> None:
-        path = self.translate_path(self.path)
-        if os.path.isdir(path):
-            return super().do_HEAD() if head else super().do_GET()  # the directory listing fsspec parses
+    def serve_file(self, path: str, head: bool) -> None:
         state = self.server.state
         stall = state.stall(self.path, self.headers.get("Range", ""))
         number = state.file_requests
