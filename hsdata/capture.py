@@ -121,6 +121,7 @@ class _Staged:
     """One forward's rows: on the GPU until the copier has moved them to host memory."""
 
     pieces: Sequence[Piece]
+    requests: Sequence[int]  # each piece's index into prompt_lengths
     prompt_lengths: torch.Tensor
     input_ids: torch.Tensor
     final: torch.Tensor
@@ -169,17 +170,19 @@ class Capture:
 
     def add_forward(self, pieces: Sequence[Piece], prompt_lengths: torch.Tensor | Sequence[int],
                     input_ids: torch.Tensor, aux: torch.Tensor | Sequence[torch.Tensor],
-                    final: torch.Tensor) -> None:
+                    final: torch.Tensor, *, requests: Sequence[int] | None = None) -> None:
         """Stage the rows ``pieces`` cover (padding rows beyond them are never copied) and return.
 
-        ``prompt_lengths[i]`` is the whole prompt length of ``pieces[i]``'s request; ``aux`` is packed
-        ``[rows, K*H]`` or a list of K ``[rows, H]`` tensors. On a GPU this only records an event: the tensors
+        ``prompt_lengths[requests[i]]`` is the whole prompt length of ``pieces[i]``'s request (``requests``
+        defaults to ``0, 1, ...``; it lets a front end skip requests without indexing a GPU tensor); ``aux`` is
+        packed ``[rows, K*H]`` or a list of K ``[rows, H]`` tensors. On a GPU this only records an event: the tensors
         stay referenced (so the allocator cannot reuse them) until the copier has moved them. Waits only when
         ``max_staged_bytes`` are staged and not yet written (the disk is slower than the model), logging when it
         does.
         """
         if self._error is not None or not pieces:
             return
+        requests = list(range(len(pieces))) if requests is None else list(requests)
         rows = max(p.row + p.length for p in pieces)
         aux_parts = [aux] if isinstance(aux, torch.Tensor) else list(aux)
         width = sum(a.shape[-1] for a in aux_parts)
@@ -188,7 +191,7 @@ class Capture:
         nbytes = rows * (width + final.shape[-1]) * final.element_size() + rows * 8
         self._reserve(nbytes)
         if final.is_cuda:
-            staged = _Staged(pieces, prompt_lengths.clone(), input_ids[:rows], final[:rows],
+            staged = _Staged(pieces, requests, prompt_lengths.clone(), input_ids[:rows], final[:rows],
                              [a[:rows] for a in aux_parts], nbytes, ready=torch.cuda.Event())
             staged.ready.record(torch.cuda.current_stream(final.device))
             if self._copier is None:
@@ -197,7 +200,7 @@ class Capture:
                 self._copier.start()
             queue = self._on_device
         else:
-            staged = _Staged(pieces, prompt_lengths.clone(), input_ids[:rows].clone(), final[:rows].clone(),
+            staged = _Staged(pieces, requests, prompt_lengths.clone(), input_ids[:rows].clone(), final[:rows].clone(),
                              [a[:rows].clone() for a in aux_parts], nbytes)
             queue = self._staged
         with self._cond:
@@ -245,7 +248,7 @@ class Capture:
         for done in queued:
             done.synchronize()
         prompt_lengths, input_ids, final, *aux = hosts
-        return _Staged(on_device.pieces, prompt_lengths, input_ids, final, aux, on_device.nbytes)
+        return _Staged(on_device.pieces, on_device.requests, prompt_lengths, input_ids, final, aux, on_device.nbytes)
 
     def _reserve(self, nbytes: int) -> None:
         with self._cond:
@@ -313,7 +316,8 @@ class Capture:
     def _write(self, staged: _Staged) -> int:
         written = 0
         lengths = staged.prompt_lengths.tolist()
-        for piece, prompt_length in zip(staged.pieces, lengths):
+        for piece, request in zip(staged.pieces, staged.requests):
+            prompt_length = lengths[request]
             rows = slice(piece.row, piece.row + piece.length)
             aux = torch.cat([a[rows] for a in staged.aux], dim=-1)  # a copy: the staging buffer is reused
             done = self.assembler.add(piece, int(prompt_length), staged.input_ids[rows].clone(), aux,

@@ -1,14 +1,17 @@
 """``hsdata extract --server``: drive a running SGLang server (with the hsdata hook) over a dataset.
 
-Each sample goes to ``/generate`` as ``input_ids`` with ``max_new_tokens`` 0, ``rid`` = its sample id and a
-unique ``cache_salt`` (so no prefix is served from the radix cache); the hook stores its hidden states. The loss
-masks, which only the client can know, are added to the store before their requests are sent. The run ends
-when every sample it sent is committed, or reports the ones that are not.
+Before anything is written, :func:`check_server` asks the server's ``/server_info`` whether it runs the hsdata
+hook, into this store, with aux hidden states on. Each sample then goes to ``/generate`` as ``input_ids`` with
+``max_new_tokens`` 0, ``rid`` = the hook's ``rid_prefix`` + its sample id (the hook stores only such requests)
+and a unique ``cache_salt`` (so no prefix is served from the radix cache); the hook stores its hidden states.
+The loss masks, which only the client can know, are added to the store before their requests are sent. The
+run ends when every sample it sent is committed, or reports the ones that are not.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -20,11 +23,13 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .conversations import Record, tokenize
-from .errors import NotAStoreError
+from .errors import NotAStoreError, ServerCheckError
 from .masks import add_loss_masks
 from .reader import open as open_store
 
 BATCH = 256  # records tokenized, masked and sent together
+RID_PREFIX = "hsdata:"  # the hook stores a request only if its rid starts with the hook config's rid_prefix
+HOOK_FACTORY = "server_hook.sglang:make_hook"
 
 
 @dataclass
@@ -52,6 +57,7 @@ def extract_from_server(server: str, records: Iterable[Record], tokenizer: Any, 
                         on_sent: Callable[[int], None] | None = None) -> Summary:
     """Send every record not yet committed in ``out``; wait for the commits; return what happened."""
     started = time.monotonic()
+    rid_prefix = check_server(server, out)
     summary = Summary()
     done = _committed(out, storage_options)
     sent: list[str] = []
@@ -69,7 +75,7 @@ def extract_from_server(server: str, records: Iterable[Record], tokenizer: Any, 
             masks[record.sample_id] = mask
             payloads.append((record.sample_id, ids))
         add_loss_masks(out, masks, storage_options=storage_options)  # before the samples can be committed
-        futures = [(sid, ids, pool.submit(_generate, server, sid, ids, retries, request_timeout_s))
+        futures = [(sid, ids, pool.submit(_generate, server, rid_prefix + sid, ids, retries, request_timeout_s))
                    for sid, ids in payloads]
         for sid, ids, future in futures:
             try:
@@ -99,7 +105,8 @@ def extract_from_server(server: str, records: Iterable[Record], tokenizer: Any, 
     missing = _wait_for_commits(out, storage_options, set(sent), commit_timeout_s)
     if missing:  # answered, then lost: a server that stopped before its next commit. Send those once more.
         with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="hsdata-client") as pool:
-            futures = [pool.submit(_generate, server, sid, payloads_sent[sid].tolist(), retries, request_timeout_s)
+            futures = [pool.submit(_generate, server, rid_prefix + sid, payloads_sent[sid].tolist(), retries,
+                                   request_timeout_s)
                        for sid in sorted(missing)]
             for future in futures:
                 try:
@@ -113,6 +120,49 @@ def extract_from_server(server: str, records: Iterable[Record], tokenizer: Any, 
                                f"store {out}? see the server's log)")
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def check_server(server: str, out: str, timeout_s: float = 30.0) -> str:
+    """Check that ``server`` answers and runs the hsdata hook writing ``out``; return the hook's rid prefix.
+
+    Raises :class:`ServerCheckError` naming what is wrong, before the client writes anything.
+    """
+    url = f"{server.rstrip('/')}/server_info"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            info = json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        raise ServerCheckError(f"{url} answered HTTP {e.code}: is {server} an SGLang (>= 0.5.23) server?") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ServerCheckError(f"cannot reach the SGLang server at {server}: {getattr(e, 'reason', e)}") from None
+    except ValueError:
+        raise ServerCheckError(f"{url} did not answer JSON: is {server} an SGLang server?") from None
+    hooks = [h for h in info.get("forward_hooks") or []
+             if isinstance(h, dict) and h.get("hook_factory") == HOOK_FACTORY]
+    if not hooks:
+        raise ServerCheckError(f"the server at {server} runs no hsdata hook: launch it with --forward-hooks naming "
+                               f"\"hook_factory\": \"{HOOK_FACTORY}\" (docs/server_hook.md)")
+    if not info.get("enable_return_aux_hidden_states"):
+        raise ServerCheckError(f"the server at {server} passes no aux hidden states to the hook: launch it with "
+                               "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3")
+    if not (info.get("disable_prefill_cuda_graph") or info.get("disable_cuda_graph")):
+        raise ServerCheckError(f"the server at {server} replays prefills in CUDA graphs, which forward hooks never "
+                               "see: launch it with --disable-prefill-cuda-graph")
+    config = hooks[0].get("config") or {}
+    store = config.get("store")
+    if not isinstance(store, str) or _normalized(store) != _normalized(out):
+        raise ServerCheckError(f"the server's hsdata hook writes {store!r}, not {out!r}: pass --out {store}")
+    prefix = config.get("rid_prefix", RID_PREFIX)
+    if not isinstance(prefix, str):
+        raise ServerCheckError(f"the server's hsdata hook has rid_prefix {prefix!r}: expected a string")
+    return prefix
+
+
+def _normalized(url: str) -> str:
+    """A local path made absolute (the server and the client may name one folder differently); URLs as given."""
+    if "://" in url and not url.startswith("file://"):
+        return url.rstrip("/")
+    return os.path.realpath(url.removeprefix("file://"))
 
 
 def _committed(out: str, storage_options: dict | None) -> set[str]:
@@ -131,9 +181,9 @@ def _wait_for_commits(out: str, storage_options: dict | None, sent: set[str], ti
         time.sleep(0.5)
 
 
-def _generate(server: str, sample_id: str, input_ids: list[int], retries: int, timeout_s: float) -> dict:
+def _generate(server: str, rid: str, input_ids: list[int], retries: int, timeout_s: float) -> dict:
     """POST one prefill-only request; retries connection errors and 5xx with exponential backoff."""
-    body = json.dumps({"input_ids": input_ids, "rid": sample_id, "cache_salt": uuid.uuid4().hex,
+    body = json.dumps({"input_ids": input_ids, "rid": rid, "cache_salt": uuid.uuid4().hex,
                        "sampling_params": {"max_new_tokens": 0}}).encode()
     request = urllib.request.Request(f"{server.rstrip('/')}/generate", data=body,
                                      headers={"Content-Type": "application/json"})

@@ -38,3 +38,8 @@ class RemoteReadError(HsdataError, OSError):
 
 class WriterError(HsdataError, RuntimeError):
     """The writer's background I/O failed or the writer is closed; nothing after the last commit is visible."""
+
+
+class ServerCheckError(HsdataError, ValueError):
+    """``hsdata extract --server``: the server cannot serve this extraction (unreachable, no hsdata hook,
+    writing another store, aux hidden states off); raised before anything is written."""

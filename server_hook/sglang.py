@@ -1,6 +1,10 @@
 """The SGLang forward hook: ``--forward-hooks '[{"name": "hsdata", "target_modules": ["logits_processor"],
 "hook_factory": "server_hook.sglang:make_hook", "config": {"store": "/data/kimi-hs"}}]'``.
 
+Only requests whose rid starts with the config's ``rid_prefix`` (``hsdata:``, what ``hsdata extract --server``
+sends) are stored, under the sample id that follows it: SGLang's own warm-up request and health probes, and any
+other traffic the server serves, never become samples.
+
 SGLang's models call ``logits_processor(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)``
 with the final post-norm states and (with ``--enable-return-aux-hidden-states``) the aux layers' states. The hook
 keeps prefill (EXTEND / MIXED) forwards on the attention-TP rank 0 of each scheduler, cuts the packed rows into
@@ -20,8 +24,10 @@ import torch
 
 import hsdata
 from hsdata.capture import Capture, Piece
+from hsdata.client import RID_PREFIX
 
 log = logging.getLogger("hsdata.server_hook")
+SGLANG_HEALTH_CHECK = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX: rids of its health probes
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,7 @@ class HookConfig:
     """The ``config`` object of the hook spec. Unknown keys are an error."""
 
     store: str
+    rid_prefix: str = RID_PREFIX  # store only requests whose rid starts with it; "" stores every request
     aux_layers: list[int] | None = None  # "output of layer k" ids; default: the server's, else EAGLE-3's
     model: str | None = None  # default: the server's --model-path
     storage_options: dict = field(default_factory=dict)
@@ -45,6 +52,8 @@ class HookConfig:
             raise ValueError(f"hsdata hook: unknown config key(s) {unknown}; known: {sorted(known)}")
         if not isinstance(config.get("store"), str) or not config["store"]:
             raise ValueError("hsdata hook: config needs \"store\": a path or fsspec URL")
+        if not isinstance(config.get("rid_prefix", RID_PREFIX), str):
+            raise ValueError("hsdata hook: \"rid_prefix\" must be a string")
         parsed = cls(**config)
         if parsed.flush_interval_s <= 0 or parsed.max_staged_bytes <= 0:
             raise ValueError("hsdata hook: flush_interval_s and max_staged_bytes must be positive")
@@ -81,15 +90,25 @@ class PrefillHook:
             self._warn_once("no-rids", "this prefill batch carries no request ids or prompt lengths (prefill CUDA "
                             "graph?): launch with --disable-prefill-cuda-graph")
             return None
-        pieces, row = [], 0
-        for rid, length, prefix in zip(forward_batch.rids, forward_batch.extend_seq_lens_cpu,
-                                       forward_batch.extend_prefix_lens_cpu):
-            pieces.append(Piece(str(rid), int(prefix), row, int(length)))
-            row += int(length)
+        pieces = self._pieces(forward_batch)
+        if not pieces:
+            return None  # none of this forward's requests is the client's
         final = args[1]
         capture = self._capture(module, aux, final)
-        capture.add_forward(pieces, forward_batch.orig_seq_lens, args[0], aux, final)
+        capture.add_forward([piece for _, piece in pieces], forward_batch.orig_seq_lens, args[0], aux, final,
+                            requests=[i for i, _ in pieces])
         return None
+
+    def _pieces(self, forward_batch) -> list[tuple[int, Piece]]:
+        """``(batch index, piece)`` of each stored request: its rid carries the prefix and a sample id after it."""
+        pieces, row, prefix = [], 0, self.config.rid_prefix
+        for i, (rid, length, start) in enumerate(zip(forward_batch.rids, forward_batch.extend_seq_lens_cpu,
+                                                     forward_batch.extend_prefix_lens_cpu)):
+            rid = str(rid)
+            if rid.startswith(prefix) and len(rid) > len(prefix) and not rid.startswith(SGLANG_HEALTH_CHECK):
+                pieces.append((i, Piece(rid[len(prefix):], int(start), row, int(length))))
+            row += int(length)
+        return pieces
 
     def close(self) -> None:
         if self.capture is not None:

@@ -1,9 +1,12 @@
-"""`hsdata extract --server` against a local HTTP server that speaks SGLang's /generate and stores through the
-real hook path, with failing requests, a server restart in the middle of the run, and a resumed run."""
+"""`hsdata extract --server` against a local HTTP server that speaks SGLang's /server_info and /generate and
+stores through the real hook path, with injected faults a real server cannot be made to produce on demand (a 500
+once, a 400 always, a restart inside the client's retry window), and a resumed run. The real SGLang server is in
+test_sglang_server.py."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +21,7 @@ from transformers import PreTrainedTokenizerFast
 
 import hsdata
 from conftest import AUX, HIDDEN
+from hsdata.client import HOOK_FACTORY, RID_PREFIX
 from hsdata.conversations import parse_record, tokenize
 from hsdata.validate import validate
 from test_server_hook import hooked_model
@@ -75,9 +79,16 @@ class FakeSGLang:
             def log_message(self, *args):
                 pass
 
+            def do_GET(self):
+                assert self.path == "/server_info", self.path
+                self.reply(200, {"forward_hooks": [hook_entry(server.store)], "enable_return_aux_hidden_states": True,
+                                 "disable_prefill_cuda_graph": True})
+
             def do_POST(self):
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, reply = server.handle(request)
+                self.reply(*server.handle(request))
+
+            def reply(self, status, reply):
                 body = json.dumps(reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -91,12 +102,13 @@ class FakeSGLang:
 
     def handle(self, request):
         rid, ids = request["rid"], request["input_ids"]
-        assert request["sampling_params"] == {"max_new_tokens": 0} and request["cache_salt"]
-        if rid in self.always_fail:
+        assert rid.startswith(RID_PREFIX) and request["cache_salt"]
+        assert request["sampling_params"] == {"max_new_tokens": 0}
+        if rid.removeprefix(RID_PREFIX) in self.always_fail:
             return 400, {"error": "bad request"}
         with self.lock:
-            if rid in self.fail_first:
-                self.fail_first.discard(rid)
+            if rid.removeprefix(RID_PREFIX) in self.fail_first:
+                self.fail_first.discard(rid.removeprefix(RID_PREFIX))
                 return 500, {"error": "internal"}
             aux, final = states_for(ids)
             for start in range(0, len(ids), 16):
@@ -203,3 +215,71 @@ def test_bad_input_lines_are_named(tmp_path, line, message):
     import re
 
     assert re.search(message, result.stderr), result.stderr
+
+
+class ServerInfo(BaseHTTPRequestHandler):
+    """Answers /server_info with ``self.server.info`` and counts every other request."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):  # noqa: N802
+        body = json.dumps(self.server.info).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):  # noqa: N802
+        self.server.posts += 1
+        self.send_response(500)
+        self.end_headers()
+
+
+def hook_entry(store):
+    return {"hook_factory": HOOK_FACTORY, "config": {"store": str(store)}}
+
+
+@pytest.mark.parametrize("info, message", [
+    ({"forward_hooks": None, "enable_return_aux_hidden_states": True, "disable_prefill_cuda_graph": True},
+     "runs no hsdata hook: launch it with --forward-hooks"),
+    ({"forward_hooks": "STORE", "enable_return_aux_hidden_states": False, "disable_prefill_cuda_graph": True},
+     "passes no aux hidden states to the hook: launch it with --enable-return-aux-hidden-states"),
+    ({"forward_hooks": "STORE", "enable_return_aux_hidden_states": True, "disable_prefill_cuda_graph": False},
+     "replays prefills in CUDA graphs, which forward hooks never see: launch it with --disable-prefill-cuda-graph"),
+])
+def test_a_server_that_cannot_serve_the_extraction_is_refused_before_anything_is_written(tmp_path, tokenizer_dir,
+                                                                                          info, message):
+    store = tmp_path / "store"
+    if info["forward_hooks"] == "STORE":
+        info = {**info, "forward_hooks": [hook_entry(store)]}
+    http = ThreadingHTTPServer(("127.0.0.1", 0), ServerInfo)
+    http.info, http.posts = info, 0
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(CONVERSATIONS[0]) + "\n")
+    try:
+        result = subprocess.run([sys.executable, "-m", "hsdata", "extract", "--server",
+                                 f"http://127.0.0.1:{http.server_address[1]}", "--data", str(data), "--tokenizer",
+                                 str(tokenizer_dir), "--out", str(store)], capture_output=True, text=True, timeout=120)
+    finally:
+        http.shutdown()
+        http.server_close()
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and http.posts == 0
+    assert not store.exists()
+
+
+def test_a_refused_connection_is_one_line_and_leaves_no_files(tmp_path, tokenizer_dir):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(CONVERSATIONS[0]) + "\n")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run([sys.executable, "-m", "hsdata", "extract", "--server", f"http://127.0.0.1:{port}",
+                             "--data", str(data), "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "store")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"hsdata extract: error: cannot reach the SGLang server at "
+                                     f"http://127.0.0.1:{port}: [Errno 111] Connection refused")
+    assert not (tmp_path / "store").exists()

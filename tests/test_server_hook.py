@@ -17,6 +17,7 @@ from sglang.srt.runtime_context import get_parallel
 
 import hsdata
 from conftest import AUX, HIDDEN, assert_same, make_sample
+from hsdata.client import RID_PREFIX
 from hsdata.validate import validate
 from server_hook.sglang import HookConfig, PrefillHook
 
@@ -44,8 +45,8 @@ def hooked_model(store, **config) -> tuple[Model, PrefillHook]:
     return model, hook
 
 
-def forward(model, mode, pieces, prompts, *, pad_rows=0, aux_as_list=False):
-    """One packed forward: ``pieces`` are (rid, start, length) in row order."""
+def forward(model, mode, pieces, prompts, *, pad_rows=0, aux_as_list=False, rid_prefix=RID_PREFIX):
+    """One packed forward: ``pieces`` are (sample id, start, length) in row order; rids are ``rid_prefix`` + id."""
     ids, aux, final = [], [], []
     for rid, start, length in pieces:
         s = prompts[rid]
@@ -59,7 +60,8 @@ def forward(model, mode, pieces, prompts, *, pad_rows=0, aux_as_list=False):
     batch = ForwardBatch(
         forward_mode=mode, batch_size=n, input_ids=ids, req_pool_indices=torch.arange(n),
         seq_lens=torch.tensor([start + length for _, start, length in pieces]), out_cache_loc=torch.arange(len(ids)),
-        seq_lens_sum=sum(start + length for _, start, length in pieces), rids=[rid for rid, _, _ in pieces],
+        seq_lens_sum=sum(start + length for _, start, length in pieces),
+        rids=[rid_prefix + rid for rid, _, _ in pieces],
         extend_seq_lens_cpu=[length for _, _, length in pieces], extend_prefix_lens_cpu=[s for _, s, _ in pieces],
         orig_seq_lens=torch.tensor([len(prompts[rid]["input_ids"]) for rid, _, _ in pieces], dtype=torch.int32),
     )
@@ -69,7 +71,7 @@ def forward(model, mode, pieces, prompts, *, pad_rows=0, aux_as_list=False):
     assert out.shape == (len(ids), 8)  # the hook never changes the output
 
 
-def serve(model, prompts, *, chunk, budget, decode_every=2, pad_rows=3):
+def serve(model, prompts, *, chunk, budget, decode_every=2, pad_rows=3, rid_prefix=RID_PREFIX):
     """Chunked prefill: each forward takes up to ``chunk`` tokens per request and ``budget`` per batch."""
     done = {rid: 0 for rid in prompts}
     step = 0
@@ -82,13 +84,14 @@ def serve(model, prompts, *, chunk, budget, decode_every=2, pad_rows=3):
                 pieces.append((rid, done[rid], take))
                 done[rid] += take
                 used += take
-        forward(model, ForwardMode.EXTEND, pieces, prompts, pad_rows=pad_rows, aux_as_list=step % 2 == 1)
+        forward(model, ForwardMode.EXTEND, pieces, prompts, pad_rows=pad_rows, aux_as_list=step % 2 == 1,
+                rid_prefix=rid_prefix)
         step += 1
         if step % decode_every == 0:
             rid = next(iter(prompts))
             n = len(prompts[rid]["input_ids"])
             decode = {rid: {k: v[:1].repeat(*([n + 1] + [1] * (v.dim() - 1))) for k, v in prompts[rid].items()}}
-            forward(model, ForwardMode.DECODE, [(rid, n, 1)], decode)
+            forward(model, ForwardMode.DECODE, [(rid, n, 1)], decode, rid_prefix=rid_prefix)
 
 
 def assert_stored(store, prompts):
@@ -204,3 +207,31 @@ def test_aux_layer_ids_follow_each_model_familys_convention():
             assert hook_module._server_aux_layers(module) == expected
     assert hook_module._eagle3_default(llama) == [1, 15, 28]
     assert hook_module._eagle3_default(deepseek) == [1, 29, 57]
+
+
+def test_only_requests_with_the_rid_prefix_are_stored(tmp_path):
+    """SGLang's warm-up (a bare uuid rid), its health probes and other clients' requests share forwards with the
+    extraction's; only the ``hsdata:`` ones become samples, under the id after the prefix."""
+    prompts = {"0f8e2a9c4b1d4e6f8a7b6c5d4e3f2a1b": make_sample(9, 1), "HEALTH_CHECK_7c1d": make_sample(1, 2),
+               "chat-from-someone-else": make_sample(30, 3), f"{RID_PREFIX}wanted-1": make_sample(40, 4),
+               f"{RID_PREFIX}wanted-2": make_sample(12, 5), RID_PREFIX: make_sample(3, 6)}
+    model, hook = hooked_model(tmp_path / "store")
+    forward(model, ForwardMode.EXTEND, [(rid, 0, len(p["input_ids"])) for rid, p in prompts.items()], prompts,
+            rid_prefix="", pad_rows=5)
+    hook.close()
+    assert_stored(tmp_path / "store", {sid: prompts[RID_PREFIX + sid] for sid in ("wanted-1", "wanted-2")})
+
+
+def test_an_empty_rid_prefix_stores_every_request_but_health_probes(tmp_path):
+    prompts = {"HEALTH_CHECK_7c1d": make_sample(1, 2), "chat-1": make_sample(30, 3), "job-2": make_sample(7, 4)}
+    model, hook = hooked_model(tmp_path / "store", rid_prefix="")
+    serve(model, prompts, chunk=8, budget=20, rid_prefix="")
+    hook.close()
+    assert_stored(tmp_path / "store", {rid: prompts[rid] for rid in ("chat-1", "job-2")})
+
+
+def test_a_forward_with_no_stored_request_creates_no_store(tmp_path):
+    model, hook = hooked_model(tmp_path / "store")
+    forward(model, ForwardMode.EXTEND, [("HEALTH_CHECK_1", 0, 1)], {"HEALTH_CHECK_1": make_sample(1, 1)}, rid_prefix="")
+    hook.close()
+    assert not (tmp_path / "store").exists()

@@ -1,0 +1,211 @@
+"""The hook inside a real ``sglang.launch_server`` (0.5.23, generic CPU platform), driven by ``hsdata extract
+--server`` as a user runs it. Servers start in 25-60 s here, so the reference server is shared by the tests of
+this module; the chunked-prefill, restart and data-parallel tests start their own."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import hsdata
+from hsdata import demo
+from hsdata.client import RID_PREFIX
+from hsdata.validate import validate
+from sglang_server import AUX_LAYER_IDS, Server, make_model
+
+REPEATS = 3  # the demo conversations, each under REPEATS ids: 72 samples of 30-110 tokens
+
+
+def run_hsdata(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hsdata", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def extract(server: Server, data: Path, store: Path, *extra) -> subprocess.CompletedProcess:
+    return run_hsdata("extract", "--server", server.url, "--data", data, "--tokenizer", server.model, "--out", store,
+                      "--commit-timeout", "30", *extra)
+
+
+def wait_for(condition, timeout: float = 60.0):
+    """Poll ``condition()`` until it returns something true (a store not created yet counts as false)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = condition()
+        except hsdata.NotAStoreError:
+            value = None
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sglang")
+
+
+@pytest.fixture(scope="module")
+def model(workdir) -> Path:
+    return make_model(workdir / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def data(workdir) -> Path:
+    rows = [json.loads(line) for line in Path(demo.data_path()).read_text().splitlines() if line.strip()]
+    path = workdir / "conversations.jsonl"
+    path.write_text("".join(json.dumps({**row, "id": f"{row['id']}-{k}"}) + "\n"
+                            for k in range(REPEATS) for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(workdir, model, data):
+    """A server with the default chunked-prefill size (4096: no prompt here is chunked) and its extraction."""
+    store = workdir / "reference"
+    with Server(model, store, workdir / "reference.log") as server:
+        result = extract(server, data, store)
+        assert result.returncode == 0, result.stdout + result.stderr + server.log_tail()
+        yield server, store, result
+
+
+def test_extraction_commits_every_sample_with_the_in_process_engines_ids_and_masks(reference, workdir, model, data):
+    server, store, result = reference
+    samples = len(data.read_text().splitlines())
+    assert f"OK: {samples} samples: 0 already in the store, {samples} sent" in result.stdout
+    checked = run_hsdata("validate", store)
+    assert checked.returncode == 0 and checked.stdout.startswith("OK"), checked.stdout + checked.stderr
+
+    in_process = workdir / "in-process"
+    engine = run_hsdata("extract", "--engine", "hf", "--model", model, "--data", data, "--out", in_process,
+                        "--aux-layers", *AUX_LAYER_IDS)
+    assert engine.returncode == 0, engine.stdout + engine.stderr
+    served, local = hsdata.open(str(store)), hsdata.open(str(in_process))
+    assert sorted(served.sample_ids) == sorted(local.sample_ids)
+    assert served.spec.aux_layers == local.spec.aux_layers == tuple(AUX_LAYER_IDS)
+    for sample_id in local.sample_ids:
+        got, want = served.get(sample_id), local.get(sample_id)
+        assert torch.equal(got["input_ids"], want["input_ids"]), sample_id
+        assert torch.equal(got["loss_mask"], want["loss_mask"]), sample_id
+        # SGLang's kernels are not transformers': equal up to bf16 rounding, not bit for bit
+        assert relative_error(got["aux_hidden_states"], want["aux_hidden_states"]) < 0.02, sample_id
+        assert relative_error(got["hidden_states"], want["hidden_states"]) < 0.02, sample_id
+
+
+def test_rows_sglang_returns_with_return_hidden_states_are_stored_bit_identical(reference):
+    server, store, _ = reference
+    ids = list(range(5, 60))
+    reply = server.post("/generate", {"input_ids": ids, "rid": f"{RID_PREFIX}returned-1", "return_hidden_states": True,
+                                      "sampling_params": {"max_new_tokens": 1}})
+    (rows,) = reply["meta_info"]["hidden_states"]  # the prompt's aux rows, as SGLang computed them
+    returned = torch.tensor(rows, dtype=torch.float32)
+    opened = wait_for(lambda: (s := hsdata.open(str(store))) and "returned-1" in s and s)
+    assert opened, server.log_tail()
+    stored = opened.get("returned-1")
+    assert stored["input_ids"].tolist() == ids
+    assert returned.shape == stored["aux_hidden_states"].shape == (len(ids), len(AUX_LAYER_IDS) * 64)
+    assert torch.equal(returned.to(torch.bfloat16).view(torch.int16), stored["aux_hidden_states"].view(torch.int16))
+
+
+def test_the_store_holds_exactly_the_clients_samples(reference, workdir):
+    """SGLang's warm-up request and health probes, and other clients' requests sent while the extraction runs,
+    reach the hook as prefill forwards; none of them becomes a sample."""
+    server, store, _ = reference
+    more = workdir / "more.jsonl"
+    more.write_text("".join(json.dumps({"id": f"alongside-{i}", "input_ids": list(range(3, 40 + i))}) + "\n"
+                            for i in range(16)))
+    stop, errors = threading.Event(), []
+
+    def other_traffic():
+        n = 0
+        while not stop.is_set():
+            try:
+                server.get("/health_generate")
+                server.get("/health")
+                server.post("/generate", {"text": f"unrelated prompt {n}", "sampling_params": {"max_new_tokens": 2}})
+                server.post("/generate", {"input_ids": [7] * (5 + n), "rid": f"other-client-{n}",
+                                          "sampling_params": {"max_new_tokens": 0}})
+            except Exception as e:  # noqa: BLE001 - reported by the assertion below
+                errors.append(e)
+            n += 1
+
+    traffic = threading.Thread(target=other_traffic)
+    traffic.start()
+    try:
+        result = extract(server, more, store, "--concurrency", "2")
+    finally:
+        stop.set()
+        traffic.join()
+    assert result.returncode == 0 and not errors, result.stdout + result.stderr + repr(errors)
+    time.sleep(1.5)  # three flush intervals: anything stored by then is visible
+    expected = {json.loads(line)["id"] for path in (workdir / "conversations.jsonl", more)
+                for line in path.read_text().splitlines()} | {"returned-1"}
+    opened = hsdata.open(str(store))
+    assert set(opened.sample_ids) == expected | ({"returned-1"} & set(opened.sample_ids))
+    assert len(opened.manifest) == len(set(opened.sample_ids))
+
+
+def test_the_client_refuses_a_server_that_writes_another_store(reference, tmp_path):
+    server, store, _ = reference
+    other = tmp_path / "other"
+    result = extract(server, Path(demo.data_path()), other)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (f"hsdata extract: error: the server's hsdata hook writes "
+                                                      f"{str(store)!r}, not {str(other)!r}: pass --out {store}")
+    assert not other.exists()
+
+
+def test_chunked_prefill_then_a_killed_server_and_a_resume(workdir, model, data, reference):
+    """Two chunk sizes small enough that every request spans several forwards and batches hold several requests;
+    the first server is killed mid-run, a second one (other chunk size) serves the resumed run."""
+    _, reference_store, _ = reference
+    store = workdir / "chunked"
+    samples = len(data.read_text().splitlines())
+    first = Server(model, store, workdir / "chunk-16.log", extra=["--chunked-prefill-size", "16"]).start()
+    try:
+        client = subprocess.Popen([sys.executable, "-m", "hsdata", "extract", "--server", first.url, "--data",
+                                   str(data), "--tokenizer", str(model), "--out", str(store), "--concurrency", "4",
+                                   "--retries", "1", "--commit-timeout", "3"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: len(hsdata.open(str(store))) >= samples // 4)
+        first.kill()
+        committed_before_kill = len(hsdata.open(str(store)))
+        out, err = client.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert samples // 4 <= committed_before_kill < samples
+    assert client.returncode == 1 and "FAILED" in out, out + err
+    batches = [int(n) for n in re.findall(r"Prefill batch, #new-seq: (\d+)", first.log_path.read_text())]
+    assert max(batches) >= 2, "no prefill batch held several requests"
+
+    with Server(model, store, workdir / "chunk-48.log", extra=["--chunked-prefill-size", "48"]) as second:
+        resumed = extract(second, data, store, "--concurrency", "4")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    already = int(re.search(r"(\d+) already in the store", resumed.stdout).group(1))
+    assert already == committed_before_kill  # what the killed server committed is kept, not sent again
+
+    opened, want = hsdata.open(str(store)), hsdata.open(str(reference_store))
+    assert sorted(opened.sample_ids) == sorted(json.loads(line)["id"] for line in data.read_text().splitlines())
+    assert len(opened.manifest) == samples  # each sample committed once
+    assert len(set(opened.manifest.column("part").to_pylist())) == 2
+    report = validate(str(store))
+    assert report.ok, report.problems
+    worst = 0.0
+    for sample_id in opened.sample_ids:
+        got, ref = opened.get(sample_id), want.get(sample_id)
+        assert torch.equal(got["input_ids"], ref["input_ids"]) and torch.equal(got["loss_mask"], ref["loss_mask"])
+        for name in ("aux_hidden_states", "hidden_states"):
+            worst = max(worst, relative_error(got[name], ref[name]))
+    assert worst < 0.02, f"chunked prefill changed the states by {worst:.4f} (relative L2)"
