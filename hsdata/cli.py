@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from .client import extract_from_server
 from .conversations import read_jsonl
+from .dtypes import HIDDEN_DTYPES, check_pair
 from .errors import HsdataError
 from .reader import Store, open as open_store
 from .storage import Storage
@@ -62,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     extract.add_argument("--aux-layers", type=int, nargs="+", metavar="K",
                          help="--engine hf: \"output of layer k\" ids (default: EAGLE-3's [1, N//2-1, N-4])")
     extract.add_argument("--device", default="cpu", help="--engine hf: torch device (cpu)")
-    extract.add_argument("--dtype", default="bfloat16", choices=["bfloat16"], help="--engine hf: model dtype")
+    extract.add_argument("--dtype", default="bfloat16", choices=HIDDEN_DTYPES,
+                         help="--engine hf: the dtype the model runs in (bfloat16)")
+    extract.add_argument("--store-dtype", choices=HIDDEN_DTYPES,
+                         help="--engine hf: store the states in this dtype (default: --dtype; a float32 model's may "
+                              "be stored as bfloat16 or float16)")
     extract.add_argument("--max-batch-tokens", type=_positive_int, default=8192,
                          help="--engine hf: padded tokens per forward (8192)")
     extract.add_argument("--seed", type=int, default=0, help="--engine hf: seed of random weights (0)")
@@ -124,6 +129,8 @@ def summarize(store: Store) -> dict:
         "aux_layers": list(spec.aux_layers),
         "layer_convention": spec.layer_convention,
         "final_hidden_state": spec.final_hidden_state,
+        "dtype": spec.dtype,
+        "compute_dtype": spec.compute_dtype,
         "samples": len(store),
         "tokens": store.num_tokens,
         "payload_bytes": store.num_tokens * spec.token_nbytes,
@@ -146,6 +153,9 @@ def _info(args: argparse.Namespace) -> int:
     print(f"model       {summary['model']}  hidden size {summary['hidden_size']}")
     print(f"aux layers  {summary['aux_layers']}  (output of layer k = HF hidden_states[k+1]); "
           f"final state {summary['final_hidden_state']}")
+    computed = summary["compute_dtype"]
+    computed = "compute dtype not recorded" if computed is None else f"computed in {computed}"
+    print(f"dtype       {summary['dtype']}  ({computed})")
     print(f"samples     {summary['samples']:,} in {summary['parts']} part(s)")
     print(f"tokens      {summary['tokens']:,}  ({_human_bytes(summary['payload_bytes'])} of hidden states and ids)")
     print(f"length      min {length['min']:.0f}  p50 {length['p50']:.0f}  p90 {length['p90']:.0f}  "
@@ -236,9 +246,12 @@ def _extract_in_process(args: argparse.Namespace) -> int:
 
     from . import demo, engine_hf
 
+    store_dtype = args.store_dtype or args.dtype
+    check_pair(store_dtype, args.dtype)
+    dtype = getattr(torch, args.dtype)
     if args.model is None:
         tokenizer = demo.tokenizer()
-        model, name = demo.model(len(tokenizer), seed=args.seed), demo.MODEL_NAME
+        model, name = demo.model(len(tokenizer), seed=args.seed, dtype=dtype), demo.MODEL_NAME
         data = args.data or demo.data_path()
     else:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -252,13 +265,13 @@ def _extract_in_process(args: argparse.Namespace) -> int:
         else:
             model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True)
         tokenizer = None
-    model = model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+    model = model.to(device=args.device, dtype=dtype).eval()
     records = list(read_jsonl(data))
     if tokenizer is None and any(r.messages is not None for r in records):
         tokenizer = _load_tokenizer(args.tokenizer or (None if args.model.endswith(".json") else args.model))
     bar = tqdm(unit="tok", unit_scale=True, desc="extract", disable=None, file=sys.stderr)
     summary = engine_hf.extract(model, tokenizer, records, args.out, model_name=name, aux_layers=args.aux_layers,
-                                max_batch_tokens=args.max_batch_tokens,
+                                max_batch_tokens=args.max_batch_tokens, store_dtype=store_dtype,
                                 storage_options=_storage_options(args.storage_option), on_tokens=bar.update)
     bar.close()
     for sample_id, why in summary.failed.items():

@@ -50,8 +50,12 @@ def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, torch.nn
 
 def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], out: str, *, model_name: str,
             aux_layers: list[int] | None = None, max_batch_tokens: int = 8192, storage_options: dict | None = None,
-            on_tokens: Callable[[int], None] | None = None) -> EngineSummary:
-    """Tokenize, batch by length, run ``model`` and store every record not yet committed in ``out``."""
+            store_dtype: str | torch.dtype | None = None, on_tokens: Callable[[int], None] | None = None
+            ) -> EngineSummary:
+    """Tokenize, batch by length, run ``model`` and store every record not yet committed in ``out``.
+
+    The states are stored in ``store_dtype`` (None: the model's dtype, as computed; a float32 model's may be
+    stored as bfloat16 or float16)."""
     started = time.monotonic()
     summary = EngineSummary()
     layers, norm = decoder_parts(model)
@@ -76,8 +80,9 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
             continue
         todo.append((record.sample_id, ids))
         masks[record.sample_id] = mask
-    hidden = norm.weight.shape[-1]
+    hidden, compute_dtype = norm.weight.shape[-1], norm.weight.dtype
     store_writer = writer_module.create(out, hidden_size=hidden, aux_layers=aux_layers, model=model_name,
+                                        dtype=store_dtype or compute_dtype, compute_dtype=compute_dtype,
                                         storage_options=storage_options)
     capture = Capture(store_writer, loss_masks=masks)
     captured: dict[str, torch.Tensor] = {}

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .dtypes import DTYPES
 from .errors import InvalidSampleError
 from .spec import MAX_INPUT_ID, StoreSpec
 
@@ -59,13 +60,13 @@ def prepare(spec: StoreSpec, sample_id: Any, *, input_ids: Any, loss_mask: Any, 
         raise fail("loss_mask must hold only 0 and 1")
 
     k, h = len(spec.aux_layers), spec.hidden_size
-    aux = _bfloat16_bits(aux_hidden_states, "aux_hidden_states", fail)
+    aux = _hidden(spec, aux_hidden_states, "aux_hidden_states", fail)
     if aux.shape == (num_tokens, k, h):
         aux = aux.reshape(num_tokens, k * h)
     if aux.shape != (num_tokens, k * h):
         raise fail(f"aux_hidden_states must have shape [{num_tokens}, {k * h}] ({k} layers x hidden size {h}) "
                    f"or [{num_tokens}, {k}, {h}], got {list(aux.shape)}")
-    final = _bfloat16_bits(hidden_states, "hidden_states", fail)
+    final = _hidden(spec, hidden_states, "hidden_states", fail)
     if final.shape != (num_tokens, h):
         raise fail(f"hidden_states must have shape [{num_tokens}, {h}], got {list(final.shape)}")
 
@@ -90,16 +91,25 @@ def _integers(value: Any, name: str, fail) -> np.ndarray:
     return array
 
 
-def _bfloat16_bits(value: Any, name: str, fail) -> np.ndarray:
-    """The uint16 bit pattern of a bfloat16 torch tensor or numpy (ml_dtypes) array, without copying."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype != torch.bfloat16:
-            raise fail(f"{name} must be bfloat16, got {value.dtype}; convert with .to(torch.bfloat16)")
-        return _host_array(value.view(torch.uint16))
-    array = np.asarray(value)
-    if array.dtype.name != "bfloat16":
-        raise fail(f"{name} must be bfloat16, got dtype {array.dtype}; pass a torch.bfloat16 tensor")
-    return np.ascontiguousarray(array).view(np.uint16)
+def _hidden(spec: StoreSpec, value: Any, name: str, fail) -> np.ndarray:
+    """A hidden-state torch tensor or numpy array (ml_dtypes for bfloat16) as the stored array: without copying
+    when it is in the stored dtype, converted (``torch.Tensor.to``, round to nearest even) from the compute dtype."""
+    stored, compute = DTYPES[spec.dtype], DTYPES[spec.compute_dtype or spec.dtype]
+    if not isinstance(value, torch.Tensor):
+        value = np.asarray(value)
+        if not value.dtype.isnative:
+            value = value.astype(value.dtype.newbyteorder("="))
+    got = str(value.dtype).removeprefix("torch.")
+    if got not in (stored.name, compute.name):
+        takes = stored.name if compute is stored else f"{stored.name}, or {compute.name} (converted)"
+        raise fail(f"{name} is {got}, this store takes {takes}")
+    if isinstance(value, np.ndarray):
+        if got == stored.name:
+            return np.ascontiguousarray(value).view(stored.stored)
+        value = torch.from_numpy(np.require(value, requirements="CW"))  # W: torch wants a writable array
+    if got != stored.name:
+        value = value.to(stored.torch)  # on the tensor's device, before it is copied to the host
+    return _host_array(value.view(stored.stored_torch))
 
 
 def _host_array(tensor: torch.Tensor) -> np.ndarray:

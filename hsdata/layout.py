@@ -56,7 +56,7 @@ def array_document(spec: StoreSpec, tensor: TensorSpec, num_tokens: int) -> dict
         "data_type": tensor.data_type,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [spec.shard_tokens, *row]}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": 0,
+        "fill_value": 0,  # a JSON number: valid for the int, uint and float data types alike
         "codecs": [
             {
                 "name": "sharding_indexed",

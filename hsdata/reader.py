@@ -30,7 +30,6 @@ DEFAULT_RANGE_BYTES = 8 << 20  # within S3's guidance of 8-16 MB per ranged GET
 DEFAULT_CACHE_BYTES = 64 << 30
 IDLE_BUFFER_BYTES = 1 << 30  # sample buffers kept for reuse once their tensors are gone
 INLINE_READ_BYTES = 1 << 20  # smaller samples are read on the calling thread
-_TORCH_DTYPES = {"int32": torch.int32, "uint8": torch.uint8, "uint16": torch.bfloat16}
 
 
 def open(url: str, *, storage_options: dict | None = None, verify: bool = True, concurrency: int | None = None,
@@ -126,7 +125,8 @@ class Store:
 
     def read(self, i: int, fields: Iterable[str] | None = None, *, shared: bool = False) -> dict[str, Any]:
         """Sample ``i`` as a dict of torch tensors: ``input_ids`` int64 [T], ``loss_mask`` uint8 [T],
-        ``aux_hidden_states`` bfloat16 [T, K*H], ``hidden_states`` bfloat16 [T, H]; ``fields`` picks a subset.
+        ``aux_hidden_states`` [T, K*H] and ``hidden_states`` [T, H] in the stored dtype (``spec.dtype``: bfloat16,
+        float16 or float32); ``fields`` picks a subset.
         ``loss_mask`` comes from the sample, else from masks added later (``hsdata.add_loss_masks``), else is None.
         With ``shared``, tensors are read straight into shared memory, so a DataLoader worker sends them to the
         main process without copying."""
@@ -213,7 +213,7 @@ class Store:
         for tensor, output, hasher in zip(plan.tensors, plan.outputs, plan.hashers):
             if self.verify:
                 self._check_hash(i, tensor, hasher.intdigest())
-            value = output.view(_TORCH_DTYPES[tensor.data_type])
+            value = output.view(tensor.dtype.torch)
             if tensor.width is not None:
                 value = value.view(-1, tensor.width)
             out[tensor.name] = value.to(torch.int64) if tensor.name == "input_ids" else value

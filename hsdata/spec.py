@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .dtypes import DTYPES, DType, check_pair, hidden_dtype
 from .errors import SpecMismatchError, UnsupportedFormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: bfloat16 only, no compute_dtype (docs/format.md section 2)
 LAYER_CONVENTION = "output_of_layer"  # id k = output of decoder layer k (0-based) = HF hidden_states[k + 1]
 FINAL_HIDDEN_STATE = "post_norm"  # the last layer's output after the model's final norm
 
@@ -32,8 +34,12 @@ class TensorSpec:
     chunk_tokens: int  # tokens per inner (checksummed) chunk
 
     @property
+    def dtype(self) -> DType:
+        return DTYPES[self.logical_dtype]
+
+    @property
     def itemsize(self) -> int:
-        return {"int32": 4, "uint8": 1, "uint16": 2}[self.data_type]
+        return self.dtype.itemsize
 
     @property
     def row_nbytes(self) -> int:
@@ -60,6 +66,8 @@ class StoreSpec:
     aux_layers: tuple[int, ...]
     model: str | None
     vocab_size: int | None
+    dtype: str  # stored dtype of the hidden states
+    compute_dtype: str | None  # dtype the model computed them in; None: unknown (version 1 stores)
     shard_tokens: int
     tensors: tuple[TensorSpec, ...] = field(repr=False)
     format_version: int = FORMAT_VERSION
@@ -73,11 +81,20 @@ class StoreSpec:
         aux_layers: list[int] | tuple[int, ...],
         model: str | None = None,
         *,
+        dtype: Any = "bfloat16",
+        compute_dtype: Any = None,
         vocab_size: int | None = None,
         shard_tokens: int | None = None,
         chunk_tokens: int | None = None,
     ) -> StoreSpec:
-        """Build a spec, deriving chunk and shard sizes from the byte targets unless given."""
+        """Build a spec, deriving chunk and shard sizes from the byte targets unless given.
+
+        ``dtype``: how the hidden states are stored; ``compute_dtype``: what the model computed them in (None: the
+        same). Both are names or torch dtypes; float32 states may be stored as bfloat16 or float16.
+        """
+        dtype = hidden_dtype("dtype", dtype)
+        compute_dtype = dtype if compute_dtype is None else hidden_dtype("compute_dtype", compute_dtype)
+        check_pair(dtype, compute_dtype)
         _check_positive_int("hidden_size", hidden_size)
         aux = tuple(aux_layers)
         if not aux or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in aux):
@@ -96,8 +113,8 @@ class StoreSpec:
             "aux_hidden_states": len(aux) * hidden_size,
             "hidden_states": hidden_size,
         }
-        dtypes = {"input_ids": ("int32", "int32"), "loss_mask": ("uint8", "uint8")}
-        row_nbytes = {n: (w or 1) * {"input_ids": 4, "loss_mask": 1}.get(n, 2) for n, w in widths.items()}
+        logical = {"input_ids": "int32", "loss_mask": "uint8", "aux_hidden_states": dtype, "hidden_states": dtype}
+        row_nbytes = {n: (w or 1) * DTYPES[logical[n]].itemsize for n, w in widths.items()}
         if shard_tokens is None:
             shard_tokens = min(MAX_SHARD_TOKENS, _pow2_floor(SHARD_TARGET_BYTES // max(row_nbytes.values())))
         _check_positive_int("shard_tokens", shard_tokens)
@@ -112,9 +129,8 @@ class StoreSpec:
                 ct = min(shard_tokens, _pow2_floor(max(1, CHUNK_TARGET_BYTES // row_nbytes[name])))
                 while shard_tokens % ct:
                     ct //= 2
-            data_type, logical = dtypes.get(name, ("uint16", "bfloat16"))
-            tensors.append(TensorSpec(name, data_type, logical, width, ct))
-        return cls(hidden_size, aux, model, vocab_size, shard_tokens, tuple(tensors))
+            tensors.append(TensorSpec(name, DTYPES[logical[name]].data_type, logical[name], width, ct))
+        return cls(hidden_size, aux, model, vocab_size, dtype, compute_dtype, shard_tokens, tuple(tensors))
 
     def tensor(self, name: str) -> TensorSpec:
         for t in self.tensors:
@@ -128,6 +144,10 @@ class StoreSpec:
         return sum(t.row_nbytes for t in self.tensors)
 
     def to_dict(self) -> dict[str, Any]:
+        """The root attributes; a version 1 spec (read from an old store) has no ``compute_dtype``."""
+        dtypes = {"dtype": self.dtype, "compute_dtype": self.compute_dtype}
+        if self.format_version == 1:
+            del dtypes["compute_dtype"]
         return {
             "format_version": self.format_version,
             "model": self.model,
@@ -135,7 +155,7 @@ class StoreSpec:
             "aux_layers": list(self.aux_layers),
             "layer_convention": self.layer_convention,
             "final_hidden_state": self.final_hidden_state,
-            "dtype": "bfloat16",
+            **dtypes,
             "vocab_size": self.vocab_size,
             "shard_tokens": self.shard_tokens,
             "tensors": {t.name: t.to_dict() for t in self.tensors},
@@ -147,24 +167,30 @@ class StoreSpec:
         if not isinstance(d, dict):
             raise UnsupportedFormatError(f"hsdata attributes must be a JSON object, got {type(d).__name__}")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
-            raise UnsupportedFormatError(f"Unsupported hsdata format version {version!r}. Expected {FORMAT_VERSION}.")
-        expected_keys = set(cls.new(1, [0]).to_dict())
+        if type(version) is not int or version not in READABLE_VERSIONS:
+            raise UnsupportedFormatError(f"Unsupported hsdata format version {version!r}. Expected "
+                                         f"{' or '.join(map(str, READABLE_VERSIONS))}.")
+        expected_keys = set(replace(cls.new(1, [0]), format_version=version).to_dict())
         if set(d) != expected_keys:
             missing, extra = sorted(expected_keys - set(d)), sorted(set(d) - expected_keys)
             raise UnsupportedFormatError(f"hsdata attributes: missing keys {missing}, unknown keys {extra}")
-        for key, want in (("layer_convention", LAYER_CONVENTION), ("final_hidden_state", FINAL_HIDDEN_STATE),
-                          ("dtype", "bfloat16")):
+        fixed = {"layer_convention": LAYER_CONVENTION, "final_hidden_state": FINAL_HIDDEN_STATE}
+        if version == 1:
+            fixed["dtype"] = "bfloat16"
+        for key, want in fixed.items():
             if d[key] != want:
                 raise UnsupportedFormatError(f"hsdata attributes: {key} is {d[key]!r}, expected {want!r}")
         try:
+            dtype = hidden_dtype("dtype", d["dtype"])
+            compute = None if d.get("compute_dtype") is None else hidden_dtype("compute_dtype", d["compute_dtype"])
+            check_pair(dtype, compute)
             chunks = {n: d["tensors"][n]["chunk_tokens"] for n in TENSOR_NAMES}
-            spec = cls.new(d["hidden_size"], d["aux_layers"], d["model"], vocab_size=d["vocab_size"],
+            spec = cls.new(d["hidden_size"], d["aux_layers"], d["model"], dtype=dtype, vocab_size=d["vocab_size"],
                            shard_tokens=d["shard_tokens"], chunk_tokens=chunks["hidden_states"])
-            tensors = tuple(TensorSpec(t.name, t.data_type, t.logical_dtype, t.width, chunks[t.name]) for t in spec.tensors)
+            tensors = tuple(replace(t, chunk_tokens=chunks[t.name]) for t in spec.tensors)
         except (KeyError, TypeError, ValueError) as e:
             raise UnsupportedFormatError(f"hsdata attributes are invalid: {e}") from None
-        spec = cls(spec.hidden_size, spec.aux_layers, spec.model, spec.vocab_size, spec.shard_tokens, tensors)
+        spec = replace(spec, compute_dtype=compute, tensors=tensors, format_version=version)
         if spec.to_dict() != d:
             raise UnsupportedFormatError(f"hsdata attributes are inconsistent: {d!r}")
         for t in tensors:
@@ -176,12 +202,15 @@ class StoreSpec:
     def check_joinable(self, requested: StoreSpec, *, explicit: set[str]) -> None:
         """Raise unless a writer asking for ``requested`` may join a store with this spec.
 
-        Model facts must be equal; layout fields (shard/chunk sizes) only when the caller set them explicitly.
+        Model facts and dtypes must be equal (a store that does not record its compute dtype, version 1, takes
+        states in its stored dtype); layout fields (shard/chunk sizes) only when the caller set them explicitly.
         """
         diffs = []
-        for f in ("hidden_size", "aux_layers", "model", "vocab_size"):
+        for f in ("hidden_size", "aux_layers", "model", "vocab_size", "dtype"):
             if getattr(self, f) != getattr(requested, f):
                 diffs.append(f"{f}: store has {getattr(self, f)!r}, requested {getattr(requested, f)!r}")
+        if (self.compute_dtype or self.dtype) != requested.compute_dtype:
+            diffs.append(f"compute_dtype: store has {self.compute_dtype!r}, requested {requested.compute_dtype!r}")
         if "shard_tokens" in explicit and self.shard_tokens != requested.shard_tokens:
             diffs.append(f"shard_tokens: store has {self.shard_tokens}, requested {requested.shard_tokens}")
         if "chunk_tokens" in explicit:
@@ -201,4 +230,4 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-__all__ = ["FORMAT_VERSION", "StoreSpec", "TensorSpec", "TENSOR_NAMES"]
+__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "StoreSpec", "TensorSpec", "TENSOR_NAMES"]

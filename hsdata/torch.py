@@ -30,10 +30,11 @@ _PER_TOKEN = ("input_ids", "loss_mask", "attention_mask", "position_ids", "aux_h
 class Eagle3Dataset(Dataset):
     """Samples of a store as EAGLE-3 training items, truncated to ``max_length`` tokens.
 
-    Each item: ``input_ids`` int64 [T], ``loss_mask`` int64 [T], ``aux_hidden_states`` bf16 [T, K*H],
-    ``hidden_states`` bf16 [T, H] (the final post-norm state), ``attention_mask`` int64 [T] (ones),
-    ``position_ids`` int64 [T], ``sample_id``; nothing is shifted (see docs/training.md). It pickles as its URL
-    and options, so DataLoader workers (fork, spawn or forkserver) open their own store.
+    Each item: ``input_ids`` int64 [T], ``loss_mask`` int64 [T], ``aux_hidden_states`` [T, K*H] and
+    ``hidden_states`` [T, H] (the final post-norm state) in the store's dtype (bf16, fp16 or fp32),
+    ``attention_mask`` int64 [T] (ones), ``position_ids`` int64 [T], ``sample_id``; nothing is shifted (see
+    docs/training.md). It pickles as its URL and options, so DataLoader workers (fork, spawn or forkserver) open
+    their own store.
 
     Read-ahead: once told the coming order (:meth:`expect`; the samplers here do it), the process that fetches
     items reads up to ``read_ahead_bytes`` of the next samples on background threads. A batch fetched through

@@ -208,7 +208,11 @@ def _check_metadata(storage: Storage, spec: StoreSpec, part: str, rows: list[_Ro
             continue
         shape = document.get("shape") if isinstance(document, dict) else None
         tokens = shape[0] if isinstance(shape, list) and shape and isinstance(shape[0], int) else -1
-        if document != array_document(spec, tensor, tokens):
+        if isinstance(document, dict) and document.get("data_type") != tensor.data_type:
+            report.problems.append(Problem("metadata", f"data_type is {document.get('data_type')!r}, the store's spec "
+                                           f"stores this tensor as {tensor.data_type!r} ({tensor.logical_dtype})",
+                                           part=part, tensor=tensor.name, key=key))
+        elif document != array_document(spec, tensor, tokens):
             report.problems.append(Problem("metadata", "array metadata differs from what the spec implies "
                                            f"(expected {json.dumps(array_document(spec, tensor, needed))})",
                                            part=part, tensor=tensor.name, key=key))
@@ -363,8 +367,8 @@ class _StreamCheck:
             piece = data[(max(r.offset, t0) - t0) * row_nbytes : (min(r.end, t1) - t0) * row_nbytes]
             self._hasher.update(piece)
             if self.check_finite and r.sample_id not in self._non_finite:
-                bits = np.frombuffer(piece, "<u2")
-                if ((bits & 0x7F80) == 0x7F80).any():
+                mask = self.tensor.dtype.exponent_mask
+                if ((np.frombuffer(piece, self.tensor.dtype.bits) & mask) == mask).any():
                     self._non_finite.add(r.sample_id)
                     self.problems.append(Problem("non_finite", "holds NaN or Inf", sample_id=r.sample_id,
                                                  part=self.part, tensor=self.tensor.name))

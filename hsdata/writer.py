@@ -26,17 +26,21 @@ DEFAULT_MAX_PENDING_BYTES = 1 << 30
 
 
 def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None = None, *,
-           vocab_size: int | None = None, shard_tokens: int | None = None, chunk_tokens: int | None = None,
-           storage_options: dict | None = None, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> Writer:
+           dtype: Any = "bfloat16", compute_dtype: Any = None, vocab_size: int | None = None,
+           shard_tokens: int | None = None, chunk_tokens: int | None = None, storage_options: dict | None = None,
+           max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> Writer:
     """Create a store at ``url`` (any fsspec URL), or join an existing one with the same spec as a new writer.
 
-    ``aux_layers`` are "output of layer k" ids (HF ``hidden_states[k + 1]``). Joining a store whose model facts
-    differ raises :class:`SpecMismatchError`; layout sizes left as None are taken from the store.
+    ``aux_layers`` are "output of layer k" ids (HF ``hidden_states[k + 1]``). ``dtype`` is how the hidden states
+    are stored and ``compute_dtype`` what the model computed them in (None: ``dtype``), each "bfloat16",
+    "float16", "float32" or the torch dtype; float32 may be stored as bfloat16 or float16, converted by ``add``.
+    Joining a store whose model facts or dtypes differ raises :class:`SpecMismatchError`; layout sizes left as
+    None are taken from the store.
     """
     if max_pending_bytes <= 0:
         raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
-    requested = StoreSpec.new(hidden_size, aux_layers, model, vocab_size=vocab_size, shard_tokens=shard_tokens,
-                              chunk_tokens=chunk_tokens)
+    requested = StoreSpec.new(hidden_size, aux_layers, model, dtype=dtype, compute_dtype=compute_dtype,
+                              vocab_size=vocab_size, shard_tokens=shard_tokens, chunk_tokens=chunk_tokens)
     storage = Storage(url, storage_options)
     if not storage.exists(ROOT_METADATA):
         root = group_document({SPEC_ATTRIBUTE: requested.to_dict()})
@@ -79,8 +83,9 @@ class Writer:
         """Queue one sample. Arrays are kept by reference until written: do not modify them afterwards.
 
         ``input_ids`` [T] ints, ``loss_mask`` [T] 0/1 (None: not known to this writer, e.g. the server hook;
-        readers then get None), ``aux_hidden_states`` [T, K*H] (or [T, K, H]) bfloat16, ``hidden_states`` [T, H]
-        bfloat16 (post-norm), ``meta`` any JSON-serializable dict.
+        readers then get None), ``aux_hidden_states`` [T, K*H] (or [T, K, H]) and ``hidden_states`` [T, H]
+        (post-norm) in the store's dtype (kept as given) or its compute dtype (converted), ``meta`` any
+        JSON-serializable dict.
         """
         self._check_open()
         sample = inputs.prepare(self.spec, sample_id, input_ids=input_ids, loss_mask=loss_mask,

@@ -18,24 +18,26 @@ SPEC = dict(hidden_size=HIDDEN, aux_layers=AUX, model="test/tiny-llama")
 SMALL_LAYOUT = dict(shard_tokens=256, chunk_tokens=16)  # many shards and chunks from few tokens
 
 
-def make_sample(num_tokens: int, seed: int, hidden: int = HIDDEN, layers: int = len(AUX)) -> dict:
+def make_sample(num_tokens: int, seed: int, hidden: int = HIDDEN, layers: int = len(AUX),
+                dtype: torch.dtype = torch.bfloat16) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
         "input_ids": torch.randint(0, 150_000, (num_tokens,), generator=g),
         "loss_mask": torch.randint(0, 2, (num_tokens,), generator=g),
-        "aux_hidden_states": torch.randn(num_tokens, layers * hidden, generator=g).to(torch.bfloat16),
-        "hidden_states": torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16),
+        "aux_hidden_states": torch.randn(num_tokens, layers * hidden, generator=g).to(dtype),
+        "hidden_states": torch.randn(num_tokens, hidden, generator=g).to(dtype),
     }
 
 
 def assert_same(got: dict, want: dict) -> None:
-    """Bit-exact equality of every tensor in ``want`` (bf16 compared by bit pattern, so NaN == NaN)."""
+    """Bit-exact equality of every tensor in ``want`` (floats compared by bit pattern, so NaN == NaN)."""
     for name, expected in want.items():
         actual = got[name]
         assert actual.shape == expected.shape, name
-        if expected.dtype == torch.bfloat16:
-            assert actual.dtype == torch.bfloat16, name
-            assert torch.equal(actual.view(torch.int16), expected.view(torch.int16)), name
+        if expected.is_floating_point():
+            assert actual.dtype == expected.dtype, name
+            bits = {2: torch.int16, 4: torch.int32}[expected.element_size()]
+            assert torch.equal(actual.view(bits), expected.view(bits)), name
         else:
             assert torch.equal(actual.to(torch.int64), expected.to(torch.int64)), name
     assert got["input_ids"].dtype == torch.int64 if "input_ids" in got else True

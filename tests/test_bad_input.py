@@ -28,9 +28,11 @@ BAD_SAMPLES = {
     "mask length": (_with(GOOD, loss_mask=torch.ones(T + 1, dtype=torch.int64)),
                     rf"loss_mask must have shape \[{T}\] like input_ids, got \[{T + 1}\]"),
     "float32 states": (_with(GOOD, hidden_states=torch.zeros(T, HIDDEN)),
-                       r"hidden_states must be bfloat16, got torch.float32; convert with .to\(torch.bfloat16\)"),
+                       r"hidden_states is float32, this store takes bfloat16$"),
     "float16 numpy aux": (_with(GOOD, aux_hidden_states=np.zeros((T, 3 * HIDDEN), np.float16)),
-                          r"aux_hidden_states must be bfloat16, got dtype float16"),
+                          r"aux_hidden_states is float16, this store takes bfloat16$"),
+    "float64 numpy states": (_with(GOOD, hidden_states=np.zeros((T, HIDDEN))),
+                             r"hidden_states is float64, this store takes bfloat16$"),
     "negative id": (_with(GOOD, input_ids=torch.full((T,), -1)), r"input_ids holds -1, outside \[0, 2147483647\]"),
     "id too large": (_with(GOOD, input_ids=torch.full((T,), 2**31)),
                      r"input_ids holds 2147483648, outside \[0, 2147483647\]"),
@@ -53,6 +55,25 @@ def test_bad_sample_is_rejected_and_nothing_is_written(store_path, case):
     store = hsdata.open(str(store_path))
     assert store.sample_ids == ["good"]
     assert_same(store[0], GOOD)
+
+
+@pytest.mark.parametrize("dtype, compute_dtype, given, takes", [
+    ("float32", None, torch.bfloat16, "float32"),
+    ("float16", None, torch.bfloat16, "float16"),
+    ("bfloat16", "float32", torch.float16, r"bfloat16, or float32 \(converted\)"),
+    ("float16", "float32", torch.float64, r"float16, or float32 \(converted\)"),
+])
+def test_hidden_states_of_another_dtype_are_rejected(store_path, dtype, compute_dtype, given, takes):
+    with hsdata.create(str(store_path), **SPEC, dtype=dtype, compute_dtype=compute_dtype) as w:
+        good = make_sample(T, 0, dtype=getattr(torch, compute_dtype or dtype))
+        for name in ("aux_hidden_states", "hidden_states"):
+            bad = _with(good, **{name: good[name].to(given)})
+            given_name = str(given).removeprefix("torch.")
+            with pytest.raises(hsdata.InvalidSampleError, match=rf"^sample 'bad': {name} is {given_name}, "
+                                                                 rf"this store takes {takes}$"):
+                w.add("bad", **bad)
+        w.add("good", **good)
+    assert hsdata.open(str(store_path)).sample_ids == ["good"]
 
 
 def test_ids_beyond_vocab_size(store_path):
@@ -86,6 +107,9 @@ def test_duplicate_ids_in_one_writer_and_against_committed_samples(store_path):
     (dict(aux_layers=[1, 2, 3]), r"aux_layers: store has \(1, 4, 6\), requested \(1, 2, 3\)"),
     (dict(model="other/model"), r"model: store has 'test/tiny-llama', requested 'other/model'"),
     (dict(shard_tokens=512), r"shard_tokens: store has 256, requested 512"),
+    (dict(dtype="float32"), r"dtype: store has 'bfloat16', requested 'float32'; compute_dtype: store has "
+                            r"'bfloat16', requested 'float32'"),
+    (dict(compute_dtype=torch.float32), r"differs: compute_dtype: store has 'bfloat16', requested 'float32'$"),
 ])
 def test_joining_with_a_different_spec_is_an_error(store_path, change, message):
     with hsdata.create(str(store_path), **SPEC, **SMALL_LAYOUT) as w:
@@ -99,6 +123,14 @@ def test_joining_with_a_different_spec_is_an_error(store_path, change, message):
     (dict(aux_layers=[]), "aux_layers must be a non-empty list"),
     (dict(aux_layers=[1, 1, 2]), "aux_layers has repeated ids"),
     (dict(shard_tokens=100, chunk_tokens=16), r"shard_tokens \(100\) must be a multiple of chunk_tokens \(16\)"),
+    (dict(dtype="float64"), r"dtype must be one of bfloat16, float16, float32 \(a name or torch dtype\), "
+                            r"got 'float64'"),
+    (dict(dtype=torch.int8), r"dtype must be one of .*, got torch.int8"),
+    (dict(compute_dtype="fp32"), r"compute_dtype must be one of .*, got 'fp32'"),
+    (dict(dtype="float32", compute_dtype="bfloat16"),
+     r"cannot store bfloat16 hidden states as float32: the stored dtype must be the compute dtype, or float32 "
+     r"stored as bfloat16 or float16"),
+    (dict(dtype="bfloat16", compute_dtype="float16"), r"cannot store float16 hidden states as bfloat16"),
 ])
 def test_bad_create_arguments(store_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -130,9 +162,9 @@ def test_unsupported_format_version(store_path):
     with hsdata.create(str(store_path), **SPEC):
         pass
     root = json.loads((store_path / "zarr.json").read_text())
-    root["attributes"]["hsdata"]["format_version"] = 2
+    root["attributes"]["hsdata"]["format_version"] = 3
     (store_path / "zarr.json").write_text(json.dumps(root))
-    with pytest.raises(hsdata.UnsupportedFormatError, match="Unsupported hsdata format version 2. Expected 1."):
+    with pytest.raises(hsdata.UnsupportedFormatError, match="Unsupported hsdata format version 3. Expected 1 or 2."):
         hsdata.open(str(store_path))
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hsdata
+from conftest import assert_same
 from hsdata import demo, engine_hf
 from hsdata.conversations import read_jsonl, tokenize
 from hsdata.validate import validate
@@ -33,19 +34,14 @@ def reference(model, batch):
     return out.hidden_states
 
 
-@pytest.mark.parametrize("max_batch_tokens", [1, 400])
-def test_stored_states_equal_transformers_hidden_states(tmp_path, model, tokenizer, max_batch_tokens):
-    records = list(read_jsonl(demo.data_path()))
-    store_path = str(tmp_path / "store")
-    summary = engine_hf.extract(model, tokenizer, records, store_path, model_name="demo",
-                                max_batch_tokens=max_batch_tokens)
-    assert summary.ok and summary.written == len(records)
+def assert_store_holds_transformers_states(store_path, model, tokenizer, records, max_batch_tokens=8192):
+    """Every sample equals transformers' own hidden states of its batch, converted to the stored dtype."""
     store = hsdata.open(store_path)
     layers = [1, 3, 4]  # EAGLE-3's defaults for 8 layers, "output of layer k"
     assert list(store.spec.aux_layers) == layers and store.spec.layer_convention == "output_of_layer"
+    stored = getattr(torch, store.spec.dtype)
     todo = [(r.sample_id, tokenize(tokenizer, r)[0]) for r in records]
     batches = list(engine_hf.batches_by_length(todo, max_batch_tokens))
-    assert (len(batches) == len(records)) == (max_batch_tokens == 1)
     for batch in batches:
         hidden = reference(model, batch)
         for b, (sample_id, ids) in enumerate(batch):
@@ -53,10 +49,36 @@ def test_stored_states_equal_transformers_hidden_states(tmp_path, model, tokeniz
             n = len(ids)
             aux = torch.cat([hidden[k + 1][b, :n] for k in layers], dim=-1)
             assert got["input_ids"].tolist() == ids
-            assert torch.equal(got["aux_hidden_states"].view(torch.int16), aux.view(torch.int16))
             # transformers' last hidden_states entry is the output of the final norm
-            assert torch.equal(got["hidden_states"].view(torch.int16), hidden[-1][b, :n].view(torch.int16))
+            assert_same(got, {"aux_hidden_states": aux.to(stored), "hidden_states": hidden[-1][b, :n].to(stored)})
     assert validate(store_path).ok
+    return batches
+
+
+@pytest.mark.parametrize("max_batch_tokens", [1, 400])
+def test_stored_states_equal_transformers_hidden_states(tmp_path, model, tokenizer, max_batch_tokens):
+    records = list(read_jsonl(demo.data_path()))
+    store_path = str(tmp_path / "store")
+    summary = engine_hf.extract(model, tokenizer, records, store_path, model_name="demo",
+                                max_batch_tokens=max_batch_tokens)
+    assert summary.ok and summary.written == len(records)
+    batches = assert_store_holds_transformers_states(store_path, model, tokenizer, records, max_batch_tokens)
+    assert (len(batches) == len(records)) == (max_batch_tokens == 1)
+
+
+@pytest.mark.parametrize("dtype, store_dtype", [(torch.float32, None), (torch.float32, "bfloat16"),
+                                                (torch.float32, torch.float16), (torch.float16, None)])
+def test_models_of_each_dtype_store_their_states_as_computed_or_converted(tmp_path, tokenizer, dtype, store_dtype):
+    model = demo.model(len(tokenizer), seed=3, dtype=dtype)
+    records = list(read_jsonl(demo.data_path()))[:8]
+    store_path = str(tmp_path / "store")
+    summary = engine_hf.extract(model, tokenizer, records, store_path, model_name="demo", store_dtype=store_dtype,
+                                max_batch_tokens=400)
+    assert summary.ok and summary.written == len(records)
+    spec = hsdata.open(store_path).spec
+    assert (spec.dtype, spec.compute_dtype) == (str(store_dtype or dtype).removeprefix("torch."),
+                                                str(dtype).removeprefix("torch."))
+    assert_store_holds_transformers_states(store_path, model, tokenizer, records, max_batch_tokens=400)
 
 
 def test_loss_masks_cover_assistant_turns_only(tmp_path, model, tokenizer):
@@ -89,6 +111,26 @@ def test_cli_embedded_default_then_resume(tmp_path):
     second = cli("--out", store)
     assert second.returncode == 0 and "24 already in the store, 0 written" in second.stdout
     assert validate(store).ok and len(hsdata.open(store)) == 24
+
+
+@pytest.mark.parametrize("store_dtype", [None, "bfloat16"])
+def test_cli_float32_model_stored_as_computed_or_as_bfloat16(tmp_path, tokenizer, store_dtype):
+    store = str(tmp_path / "store")
+    result = cli("--out", store, "--dtype", "float32", *(["--store-dtype", store_dtype] if store_dtype else []))
+    assert result.returncode == 0, result.stderr
+    spec = hsdata.open(store).spec
+    assert (spec.dtype, spec.compute_dtype) == (store_dtype or "float32", "float32")
+    same_weights = demo.model(len(tokenizer), seed=0, dtype=torch.float32)  # the CLI's demo model
+    assert_store_holds_transformers_states(store, same_weights, tokenizer, list(read_jsonl(demo.data_path())))
+
+
+def test_cli_refuses_a_store_dtype_it_cannot_convert_to(tmp_path):
+    result = cli("--out", str(tmp_path / "s"), "--dtype", "bfloat16", "--store-dtype", "float32")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "hsdata extract: error: cannot store bfloat16 hidden states as float32: the stored dtype must be the compute "
+        "dtype, or float32 stored as bfloat16 or float16"]
+    assert not (tmp_path / "s").exists()
 
 
 def test_cli_model_from_a_config_with_pre_tokenized_rows(tmp_path):

@@ -249,3 +249,64 @@ def test_read_ahead_in_process_reads_the_coming_samples_and_returns_the_right_on
     assert_same({"aux_hidden_states": dataset[order[0]]["aux_hidden_states"]},
                 {"aux_hidden_states": store.read(order[0])["aux_hidden_states"]})
     assert dataset._ahead is None
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float16", "float32"])
+def typed_store(tmp_path_factory, request):
+    """A store of each hidden-state dtype, with the samples written into it."""
+    dtype = getattr(torch, request.param)
+    path = tmp_path_factory.mktemp(f"train-{request.param}") / "store"
+    samples = {f"s{i:02d}": make_sample(5 + 7 * i, seed=i, dtype=dtype) for i in range(24)}
+    with hsdata.create(str(path), **SPEC, dtype=dtype, shard_tokens=256, chunk_tokens=16) as w:
+        for sample_id, sample in samples.items():
+            w.add(sample_id, **sample)
+    return str(path), dtype, samples
+
+
+def test_items_collate_and_pack_keep_the_stored_dtype(typed_store):
+    url, dtype, samples = typed_store
+    dataset = Eagle3Dataset(url, max_length=60)
+    items = [dataset[i] for i in (2, 9, 11)]
+    n = [len(it["input_ids"]) for it in items]
+    for item, length in zip(items, n):
+        original = samples[item["sample_id"]]
+        assert_same(item, {k: original[k][:length] for k in ("aux_hidden_states", "hidden_states")})
+    ours = collate_eagle3(items, pad_to_multiple_of=8)
+    spec = collate_eagle3(items, convention="specforge")
+    mo = collate_eagle3(items, convention="modelopt")["base_model_outputs"]
+    packed = pack_eagle3(items)
+    for name, aux, final in [("hsdata", ours["aux_hidden_states"], ours["hidden_states"]),
+                             ("specforge", spec["hidden_state"], spec["target"]),
+                             ("modelopt", mo["aux_hidden_states"], mo["base_model_hidden_states"]),
+                             ("packed", packed["aux_hidden_states"], packed["hidden_states"])]:
+        assert aux.dtype == final.dtype == dtype, name
+    for b, length in enumerate(n):
+        assert_same({"h": ours["hidden_states"][b, :length]}, {"h": items[b]["hidden_states"]})
+        assert not ours["hidden_states"][b, length:].any()  # zero padding in the stored dtype
+        start = sum(n[:b])
+        assert_same({"a": packed["aux_hidden_states"][0, start : start + length]},
+                    {"a": items[b]["aux_hidden_states"]})
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataloader_batches_keep_the_stored_dtype_in_workers_and_pinned_memory(typed_store, num_workers):
+    url, dtype, samples = typed_store
+    dataset = Eagle3Dataset(url)
+    cuda = torch.cuda.is_available()
+    loader = DataLoader(dataset, batch_size=4, sampler=ShardAwareSampler(dataset, seed=3), collate_fn=collate_eagle3,
+                        num_workers=num_workers, multiprocessing_context="fork" if num_workers else None,
+                        pin_memory=cuda)
+    seen = set()
+    for batch in loader:
+        assert batch["aux_hidden_states"].dtype == batch["hidden_states"].dtype == dtype
+        if cuda:
+            assert batch["hidden_states"].is_pinned() and batch["aux_hidden_states"].is_pinned()
+            on_gpu = batch["aux_hidden_states"].cuda(non_blocking=True)
+            torch.cuda.synchronize()
+            assert_same({"a": on_gpu.cpu()}, {"a": batch["aux_hidden_states"]})
+        for b, sample_id in enumerate(batch["sample_id"]):
+            n = len(samples[sample_id]["input_ids"])
+            assert_same({k: batch[k][b, :n] for k in ("aux_hidden_states", "hidden_states")},
+                        {k: samples[sample_id][k] for k in ("aux_hidden_states", "hidden_states")})
+            seen.add(sample_id)
+    assert seen == set(samples)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hsdata
-from conftest import SPEC, make_sample, write_store
+from conftest import SPEC, assert_same, make_sample, write_store
 from hsdata.layout import shard_key
 from hsdata.shard import encoded_chunk_nbytes, index_nbytes, chunks_per_shard
 from hsdata.validate import validate
@@ -139,12 +139,15 @@ def test_truncated_and_deleted_shards_are_found(store):
     assert not document["ok"] and document["problems"] and all("line" in p for p in document["problems"])
 
 
-def test_check_finite_flags_nan_samples(store_path):
-    bad = make_sample(30, 1)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_check_finite_flags_nan_samples(store_path, dtype):
+    bad = make_sample(30, 1, dtype=dtype)
     bad["hidden_states"][3, 5] = float("nan")
-    inf = make_sample(30, 2)
-    inf["aux_hidden_states"][7, 0] = float("inf")
-    write_store(store_path, {"fine": make_sample(30, 0), "nan": bad, "inf": inf})
+    inf = make_sample(30, 2, dtype=dtype)
+    inf["aux_hidden_states"][7, 0] = -float("inf")
+    fine = make_sample(30, 0, dtype=dtype)
+    fine["hidden_states"][0, :3] = torch.tensor([torch.finfo(dtype).max, -0.0, torch.finfo(dtype).tiny / 2])
+    write_store(store_path, {"fine": fine, "nan": bad, "inf": inf}, dtype=dtype, shard_tokens=256, chunk_tokens=16)
     assert validate(str(store_path)).ok
     report = validate(str(store_path), check_finite=True)
     assert sorted((p.sample_id, p.tensor) for p in report.problems) == [("inf", "aux_hidden_states"),
@@ -242,3 +245,44 @@ def test_added_loss_masks_are_checked(store_path):
     report = validate(str(store_path))
     assert [(p.kind, p.sample_id) for p in report.problems] == [("bounds", "x")]
     assert not report.leftovers
+
+
+def _edit_json(path, edit) -> None:
+    with open(path) as f:
+        document = json.load(f)
+    edit(document)
+    with open(path, "w") as f:
+        json.dump(document, f)
+
+
+def test_an_array_whose_data_type_differs_from_the_spec_is_reported(store):
+    part = hsdata.open(str(store)).location(0)[0]
+    key = f"parts/{part}/hidden_states/zarr.json"
+    _edit_json(os.path.join(store, key), lambda d: d.update(data_type="float32"))
+    report = validate(str(store))
+    assert [(p.kind, p.tensor, p.key) for p in report.problems] == [("metadata", "hidden_states", key)]
+    assert report.problems[0].message == ("data_type is 'float32', the store's spec stores this tensor as "
+                                          "'uint16' (bfloat16)")
+    result = run_cli("validate", str(store))
+    assert result.returncode == 1 and "data_type is 'float32'" in result.stdout
+    assert_same(hsdata.open(str(store)).get("s0"), make_sample(20, 0))  # hsdata reads by its spec
+
+
+def test_a_root_claiming_another_dtype_than_the_files_hold_is_reported_not_crashed_on(store):
+    def as_float32(root):
+        spec = root["attributes"]["hsdata"]
+        spec.update(dtype="float32", compute_dtype="float32")
+        for name in ("aux_hidden_states", "hidden_states"):
+            spec["tensors"][name].update(data_type="float32", logical_dtype="float32")
+
+    _edit_json(os.path.join(store, "zarr.json"), as_float32)
+    report = validate(str(store))
+    kinds = {p.kind for p in report.problems}
+    assert "metadata" in kinds and kinds & {"index", "missing", "checksum"}, report.problems
+    assert any("data_type is 'uint16'" in p.message for p in report.problems)
+    with pytest.raises(hsdata.CorruptDataError):
+        hsdata.open(str(store)).get("s0")
+    _edit_json(os.path.join(store, "zarr.json"), lambda root: root["attributes"]["hsdata"].update(dtype="int4"))
+    result = run_cli("validate", str(store))
+    assert result.returncode == 2 and "dtype must be one of" in result.stderr
+    assert result.stderr.strip().count("\n") == 0

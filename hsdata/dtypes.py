@@ -1,0 +1,55 @@
+"""The one table of dtypes: for each logical dtype of a stored tensor, its zarr v3 ``data_type``, the torch dtype
+readers return and the numpy dtype of the stored array. Writer, reader and validate all look dtypes up here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # logical dtype, as the spec and the arrays' attributes name it (= numpy's name, ml_dtypes' for bf16)
+    data_type: str  # zarr v3 data_type of the stored array
+    torch: torch.dtype  # what readers return
+    stored: np.dtype  # numpy dtype of the stored array: bfloat16 is kept as its uint16 bit pattern
+    stored_torch: torch.dtype  # the torch dtype of that array (torch.uint16 for bfloat16)
+    exponent_mask: int | None = None  # floats: the exponent bits, all set in NaN and Inf
+
+    @property
+    def itemsize(self) -> int:
+        return self.stored.itemsize
+
+    @property
+    def bits(self) -> np.dtype:
+        """Unsigned integer dtype of the same width, to test bit patterns."""
+        return np.dtype(f"<u{self.itemsize}")
+
+
+DTYPES = {d.name: d for d in (
+    DType("int32", "int32", torch.int32, np.dtype("<i4"), torch.int32),
+    DType("uint8", "uint8", torch.uint8, np.dtype("u1"), torch.uint8),
+    DType("bfloat16", "uint16", torch.bfloat16, np.dtype("<u2"), torch.uint16, 0x7F80),
+    DType("float16", "float16", torch.float16, np.dtype("<f2"), torch.float16, 0x7C00),
+    DType("float32", "float32", torch.float32, np.dtype("<f4"), torch.float32, 0x7F800000),
+)}
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")  # what the hidden-state tensors may be stored (and computed) in
+CONVERSIONS = {("float32", "bfloat16"), ("float32", "float16")}  # (compute, stored) pairs the writer converts
+
+
+def hidden_dtype(what: str, value: Any) -> str:
+    """The name of a hidden-state dtype given as a name (``"float32"``) or a torch dtype (``torch.float32``)."""
+    name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    if name not in HIDDEN_DTYPES:
+        raise ValueError(f"{what} must be one of {', '.join(HIDDEN_DTYPES)} (a name or torch dtype), got {value!r}")
+    return name
+
+
+def check_pair(dtype: str, compute_dtype: str | None) -> None:
+    """Raise unless states computed in ``compute_dtype`` (None: unknown) may be stored as ``dtype``."""
+    if compute_dtype not in (None, dtype) and (compute_dtype, dtype) not in CONVERSIONS:
+        raise ValueError(f"cannot store {compute_dtype} hidden states as {dtype}: the stored dtype must be the "
+                         "compute dtype, or float32 stored as bfloat16 or float16")
