@@ -25,6 +25,7 @@ import torch
 import hsdata
 from hsdata.capture import Capture, Piece
 from hsdata.client import RID_PREFIX
+from hsdata.dtypes import hidden_dtype
 
 log = logging.getLogger("hsdata.server_hook")
 SGLANG_HEALTH_CHECK = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX: rids of its health probes
@@ -36,6 +37,7 @@ class HookConfig:
 
     store: str
     rid_prefix: str = RID_PREFIX  # store only requests whose rid starts with it; "" stores every request
+    store_dtype: str | None = None  # default: the dtype the server computes in; "bfloat16"/"float16" for float32
     aux_layers: list[int] | None = None  # "output of layer k" ids; default: the server's, else EAGLE-3's
     model: str | None = None  # default: the server's --model-path
     storage_options: dict = field(default_factory=dict)
@@ -54,6 +56,8 @@ class HookConfig:
             raise ValueError("hsdata hook: config needs \"store\": a path or fsspec URL")
         if not isinstance(config.get("rid_prefix", RID_PREFIX), str):
             raise ValueError("hsdata hook: \"rid_prefix\" must be a string")
+        if config.get("store_dtype") is not None:
+            hidden_dtype("hsdata hook: store_dtype", config["store_dtype"])
         parsed = cls(**config)
         if parsed.flush_interval_s <= 0 or parsed.max_staged_bytes <= 0:
             raise ValueError("hsdata hook: flush_interval_s and max_staged_bytes must be positive")
@@ -73,8 +77,11 @@ class PrefillHook:
         self.capture: Capture | None = None
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        self.failed: Exception | None = None  # why the store could not be opened; then nothing more is stored
 
     def __call__(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self.failed is not None:
+            return None
         forward_batch = args[3] if len(args) > 3 else None
         mode = getattr(forward_batch, "forward_mode", None)
         if mode is None or mode.name not in ("EXTEND", "MIXED"):
@@ -94,7 +101,12 @@ class PrefillHook:
         if not pieces:
             return None  # none of this forward's requests is the client's
         final = args[1]
-        capture = self._capture(module, aux, final)
+        try:
+            capture = self._capture(module, aux, final)
+        except Exception as e:  # noqa: BLE001 - a misconfigured hook must not break the server's forwards
+            self.failed = e
+            log.error("hsdata: cannot store into %s, so this server stores nothing: %s", self.config.store, e)
+            return None
         capture.add_forward([piece for _, piece in pieces], forward_batch.orig_seq_lens, args[0], aux, final,
                             requests=[i for i, _ in pieces])
         return None
@@ -130,11 +142,13 @@ class PrefillHook:
             raise ValueError(f"hsdata hook: aux_layers {layers} give {len(layers)} x {hidden} columns, but the "
                              f"model passes {width}: set \"aux_layers\" in the hook config")
         writer = hsdata.create(self.config.store, hidden_size=hidden, aux_layers=list(layers),
-                               model=self.config.model or _server_model(), storage_options=self.config.storage_options)
+                               model=self.config.model or _server_model(), dtype=self.config.store_dtype or final.dtype,
+                               compute_dtype=final.dtype, storage_options=self.config.storage_options)
         capture = Capture(writer, flush_interval_s=self.config.flush_interval_s,
                           max_staged_bytes=self.config.max_staged_bytes)
         atexit.register(self.close)
-        log.info("hsdata: storing prefill hidden states in %s (part %s)", self.config.store, writer.part)
+        log.info("hsdata: storing prefill hidden states in %s (part %s, computed in %s, stored as %s)",
+                 self.config.store, writer.part, writer.spec.compute_dtype, writer.spec.dtype)
         return capture
 
     def _warn_once(self, key: str, message: str) -> None:

@@ -54,8 +54,8 @@ def forward(model, mode, pieces, prompts, *, pad_rows=0, aux_as_list=False, rid_
         aux.append(s["aux_hidden_states"][start : start + length])
         final.append(s["hidden_states"][start : start + length])
     ids = torch.cat(ids + [torch.zeros(pad_rows, dtype=torch.int64)])
-    aux = torch.cat(aux + [torch.full((pad_rows, aux[0].shape[1]), 7.0, dtype=torch.bfloat16)])
-    final = torch.cat(final + [torch.full((pad_rows, HIDDEN), 7.0, dtype=torch.bfloat16)])
+    aux = torch.cat(aux + [torch.full((pad_rows, aux[0].shape[1]), 7.0, dtype=aux[0].dtype)])
+    final = torch.cat(final + [torch.full((pad_rows, HIDDEN), 7.0, dtype=final[0].dtype)])
     n = len(pieces)
     batch = ForwardBatch(
         forward_mode=mode, batch_size=n, input_ids=ids, req_pool_indices=torch.arange(n),
@@ -186,10 +186,14 @@ def test_config_is_checked():
         HookConfig.parse({"store": "/x", "flush_interval_s": 0})
 
 
-def test_wrong_aux_layer_count_is_a_clear_error(tmp_path):
+def test_wrong_aux_layer_count_is_logged_and_the_server_keeps_serving(tmp_path, caplog):
     model, hook = hooked_model(tmp_path / "store", aux_layers=[1, 2])
-    with pytest.raises(ValueError, match=r"aux_layers \[1, 2\] give 2 x 32 columns, but the model passes 96"):
-        forward(model, ForwardMode.EXTEND, [("x", 0, 4)], {"x": make_sample(4, 1)})
+    with caplog.at_level(logging.ERROR, logger="hsdata.server_hook"):
+        for sample_id in ("x", "y"):
+            forward(model, ForwardMode.EXTEND, [(sample_id, 0, 4)], {sample_id: make_sample(4, 1)})
+    (error,) = [r.getMessage() for r in caplog.records]  # once, not once per forward
+    assert "stores nothing: hsdata hook: aux_layers [1, 2] give 2 x 32 columns, but the model passes 96" in error
+    assert not (tmp_path / "store").exists()
 
 
 def test_aux_layer_ids_follow_each_model_familys_convention():
@@ -235,3 +239,37 @@ def test_a_forward_with_no_stored_request_creates_no_store(tmp_path):
     forward(model, ForwardMode.EXTEND, [("HEALTH_CHECK_1", 0, 1)], {"HEALTH_CHECK_1": make_sample(1, 1)}, rid_prefix="")
     hook.close()
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("server_dtype, store_dtype", [(torch.float16, None), (torch.float32, None),
+                                                       (torch.float32, "bfloat16"), (torch.float32, "float16")])
+def test_a_server_in_any_dtype_is_stored_in_it_or_converted_on_request(tmp_path, server_dtype, store_dtype):
+    prompts = {f"req-{i}": make_sample(n, seed=i, dtype=server_dtype) for i, n in enumerate([3, 70, 20])}
+    model, hook = hooked_model(tmp_path / "store", store_dtype=store_dtype)
+    serve(model, prompts, chunk=16, budget=40)
+    hook.close()
+    stored = getattr(torch, store_dtype) if store_dtype else server_dtype
+    assert_stored(tmp_path / "store", {rid: {k: v.to(stored) if v.is_floating_point() else v for k, v in p.items()}
+                                       for rid, p in prompts.items()})
+    spec = hsdata.open(str(tmp_path / "store")).spec
+    assert (spec.dtype, spec.compute_dtype) == (str(stored).removeprefix("torch."),
+                                                str(server_dtype).removeprefix("torch."))
+
+
+def test_a_server_whose_dtype_differs_from_the_stores_stores_nothing_and_says_why(tmp_path, caplog):
+    first = {"bf16": make_sample(10, 1)}
+    model, hook = hooked_model(tmp_path / "store")
+    forward(model, ForwardMode.EXTEND, [("bf16", 0, 10)], first)
+    hook.close()
+    model, hook = hooked_model(tmp_path / "store")
+    with caplog.at_level(logging.ERROR, logger="hsdata.server_hook"):
+        forward(model, ForwardMode.EXTEND, [("fp16", 0, 10)], {"fp16": make_sample(10, 2, dtype=torch.float16)})
+    hook.close()
+    assert isinstance(hook.failed, hsdata.SpecMismatchError)
+    assert "cannot join the existing store, its spec differs: dtype: store has 'bfloat16'" in caplog.text
+    assert hsdata.open(str(tmp_path / "store")).sample_ids == ["bf16"]
+
+
+def test_a_bad_store_dtype_is_refused_when_the_server_starts():
+    with pytest.raises(ValueError, match="store_dtype must be one of bfloat16, float16, float32"):
+        HookConfig.parse({"store": "/x", "store_dtype": "fp8"})

@@ -10,16 +10,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from sglang_server import AUX_LAYER_IDS, Server, make_model
 
 import hsdata
 from hsdata import demo
 from hsdata.client import RID_PREFIX
 from hsdata.validate import validate
-from sglang_server import AUX_LAYER_IDS, Server, make_model
 
 REPEATS = 3  # the demo conversations, each under REPEATS ids: 72 samples of 30-110 tokens
 
@@ -99,9 +100,9 @@ def test_extraction_commits_every_sample_with_the_in_process_engines_ids_and_mas
         got, want = served.get(sample_id), local.get(sample_id)
         assert torch.equal(got["input_ids"], want["input_ids"]), sample_id
         assert torch.equal(got["loss_mask"], want["loss_mask"]), sample_id
-        # SGLang's kernels are not transformers': equal up to bf16 rounding, not bit for bit
-        assert relative_error(got["aux_hidden_states"], want["aux_hidden_states"]) < 0.02, sample_id
-        assert relative_error(got["hidden_states"], want["hidden_states"]) < 0.02, sample_id
+        # SGLang's kernels are not transformers': equal up to bf16 rounding (measured <= 0.62%), not bit for bit
+        assert relative_error(got["aux_hidden_states"], want["aux_hidden_states"]) < 0.01, sample_id
+        assert relative_error(got["hidden_states"], want["hidden_states"]) < 0.01, sample_id
 
 
 def test_rows_sglang_returns_with_return_hidden_states_are_stored_bit_identical(reference):
@@ -208,4 +209,28 @@ def test_chunked_prefill_then_a_killed_server_and_a_resume(workdir, model, data,
         assert torch.equal(got["input_ids"], ref["input_ids"]) and torch.equal(got["loss_mask"], ref["loss_mask"])
         for name in ("aux_hidden_states", "hidden_states"):
             worst = max(worst, relative_error(got[name], ref[name]))
-    assert worst < 0.02, f"chunked prefill changed the states by {worst:.4f} (relative L2)"
+    assert worst < 0.01, f"chunked prefill changed the states by {worst:.4f} (relative L2; measured <= 0.0044)"
+
+
+def test_two_data_parallel_schedulers_of_a_float32_server_write_one_part_each(workdir, model, data, reference):
+    """``--dp-size 2`` on the CPU needs each rank's cores named (SGLang binds a rank per NUMA node otherwise)."""
+    _, reference_store, _ = reference
+    store = workdir / "dp2-float32"
+    with Server(model, store, workdir / "dp2.log", dtype="float32", extra=["--dp-size", "2"],
+                env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}) as server:
+        result = extract(server, data, store, "--concurrency", "8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    opened, want = hsdata.open(str(store)), hsdata.open(str(reference_store))
+    parts = Counter(opened.manifest.column("part").to_pylist())
+    assert len(parts) == 2 and min(parts.values()) > 0, parts
+    assert sum(parts.values()) == len(data.read_text().splitlines())
+    assert (opened.spec.dtype, opened.spec.compute_dtype) == ("float32", "float32")
+    report = validate(str(store))
+    assert report.ok, report.problems
+    worst = 0.0
+    for sample_id in opened.sample_ids:
+        got = opened.get(sample_id)
+        assert got["hidden_states"].dtype == torch.float32
+        for name in ("aux_hidden_states", "hidden_states"):
+            worst = max(worst, relative_error(got[name], want.get(sample_id)[name]))
+    assert worst < 0.01, f"float32 states differ from the bfloat16 server's by {worst:.4f} (relative L2; measured <= 0.0054)"
