@@ -1,7 +1,8 @@
 """hsdata: chunked, checksummed, crash-safe hidden-state stores for speculative-decoding (EAGLE-3) training."""
 
-from .errors import (CorruptDataError, DuplicateSampleError, HsdataError, InvalidSampleError, NotAStoreError,
-                     RemoteReadError, ServerCheckError, SpecMismatchError, UnsupportedFormatError, WriterError)
+from .errors import (CorruptDataError, DuplicateSampleError, HsdataError, InvalidSampleError, MissingExtraError,
+                     NotAStoreError, RemoteReadError, ServerCheckError, SpecMismatchError, UnsupportedFormatError,
+                     WriterError)
 from .masks import add_loss_masks
 from .reader import Store, open
 from .spec import FORMAT_VERSION, StoreSpec, TensorSpec
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CorruptDataError", "DuplicateSampleError", "FORMAT_VERSION", "HsdataError", "InvalidSampleError",
-    "NotAStoreError", "RemoteReadError", "ServerCheckError", "SpecMismatchError", "Store", "StoreSpec", "TensorSpec",
+    "MissingExtraError", "NotAStoreError", "RemoteReadError", "ServerCheckError", "SpecMismatchError", "Store",
+    "StoreSpec", "TensorSpec",
     "UnsupportedFormatError", "Writer", "WriterError", "add_loss_masks", "create", "open",
 ]

@@ -1,28 +1,31 @@
-"""The ``hsdata`` command line. Exit codes: 0 success, 1 problems found, 2 bad usage or not a readable store."""
+"""The hsdata command line: inspect, check, clean up and fill hidden-state stores."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import threading
 import time
 from datetime import datetime
 
 import numpy as np
-from tqdm import tqdm
 
+from . import __version__
 from .client import extract_from_server
 from .conversations import read_jsonl
 from .dtypes import HIDDEN_DTYPES, check_pair
 from .errors import HsdataError
+from .progress import Progress, human_bytes, status
 from .reader import Store, open as open_store
+from .show import run as run_show
 from .storage import Storage
 from .validate import leftovers, validate
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hsdata", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hsdata", description=__doc__, epilog=EXIT_CODES)
+    parser.add_argument("--version", action="version", version=f"hsdata {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="spec, sample and token counts, sizes and length distribution")
     info.add_argument("store", help="path or fsspec URL of the store")
@@ -42,9 +45,19 @@ def main(argv: list[str] | None = None) -> int:
     gc = commands.add_parser("gc", help="list (and with --yes delete) what crashed writers left uncommitted")
     gc.add_argument("store", help="path or fsspec URL of the store")
     gc.add_argument("--yes", action="store_true", help="delete the listed files")
-    gc.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
+    gc.add_argument("--older-than", type=_non_negative_float, default=3600.0, metavar="SECONDS",
                     help="only files not modified for this long, so live writers keep theirs (3600)")
+    gc.add_argument("--json", action="store_true", help="print the files deleted (or to delete) and kept as JSON")
     _add_storage_options(gc)
+
+    show = commands.add_parser("show", help="one sample: tensors, per-layer norms and statistics, loss-masked text")
+    show.add_argument("store", help="path or fsspec URL of the store")
+    show.add_argument("sample", metavar="SAMPLE_ID_OR_INDEX", help="a sample id, else an index (negative from the end)")
+    show.add_argument("--tokenizer", metavar="PATH",
+                      help="decode the text with this local tokenizer (default: the store's model, if a local folder)")
+    show.add_argument("--json", action="store_true", help="print one JSON document")
+    show.add_argument("--plot", metavar="FILE.png", help="also plot each layer's norm per position (needs matplotlib)")
+    _add_storage_options(show)
 
     extract = commands.add_parser("extract", help="capture hidden states of a dataset into a store")
     source = extract.add_mutually_exclusive_group()
@@ -52,17 +65,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="a running SGLang server launched with the hsdata hook (docs/server_hook.md)")
     source.add_argument("--engine", choices=["hf"], default="hf",
                         help="run a transformers model in this process (the default)")
-    extract.add_argument("--model", metavar="PATH_OR_CONFIG",
+    extract.add_argument("--model", metavar="PATH_OR_CONFIG", type=_model_path,
                          help="--engine hf: a local model folder, or a config.json for random weights; "
                               "default: the embedded demo model")
-    extract.add_argument("--data", metavar="FILE.jsonl",
+    extract.add_argument("--data", metavar="FILE.jsonl", type=_existing_file,
                          help="ShareGPT (conversations), OpenAI (messages) or pre-tokenized (input_ids) rows; "
                               "default with the demo model: its shipped conversations")
-    extract.add_argument("--tokenizer", help="tokenizer path (chat template); default: the model's")
+    extract.add_argument("--tokenizer", type=_model_path,
+                         help="tokenizer path or hub id (chat template); default: the model's")
     extract.add_argument("--out", required=True, help="the store to write (path or fsspec URL)")
     extract.add_argument("--aux-layers", type=int, nargs="+", metavar="K",
                          help="--engine hf: \"output of layer k\" ids (default: EAGLE-3's [1, N//2-1, N-4])")
-    extract.add_argument("--device", default="cpu", help="--engine hf: torch device (cpu)")
+    extract.add_argument("--device", type=_device, default="cpu", help="--engine hf: torch device (cpu)")
     extract.add_argument("--dtype", default="bfloat16", choices=HIDDEN_DTYPES,
                          help="--engine hf: the dtype the model runs in (bfloat16)")
     extract.add_argument("--store-dtype", choices=HIDDEN_DTYPES,
@@ -77,18 +91,74 @@ def main(argv: list[str] | None = None) -> int:
                          help="--server: how long to wait for the last samples to be committed (120)")
     _add_storage_options(extract)
 
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # report it with the subcommand's own usage, not the top-level one
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        return {"info": _info, "validate": _validate, "gc": _gc, "extract": _extract}[args.command](args)
+        return {"info": _info, "validate": _validate, "gc": _gc, "extract": _extract, "show": _show}[args.command](args)
     except (HsdataError, OSError, ValueError) as e:
-        print(f"hsdata {args.command}: error: {e}", file=sys.stderr)
+        print(f"hsdata {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+
+
+EXIT_CODES = ("exit codes: 0 success; 1 problems found (validate) or failed samples (extract); "
+              "2 bad arguments or not a readable store (one line on stderr)")
 
 
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}" if not os.path.exists(text) else f"not a file: {text}")
+    return text
+
+
+def _model_path(text: str) -> str:
+    """A local folder or file; anything shaped like a path (``/``, ``.``, ``~``, several ``/``) must exist, a
+    plain ``org/name`` is taken as a Hugging Face hub id."""
+    path = os.path.expanduser(text)
+    if os.path.exists(path):
+        return path
+    if text.startswith(("/", ".", "~")) or text.count("/") > 1 or text.endswith(".json"):
+        raise argparse.ArgumentTypeError(f"no such path: {text}")
+    return text
+
+
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (cpu, cuda, cuda:1, mps, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: CUDA is not available on this machine (torch "
+                                         f"{torch.__version__}); use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
+
+def _rounded(value):
+    """``value`` with floats rounded to 3 decimals, integral ones as ints (for JSON output)."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else round(value, 3)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
     return value
 
 
@@ -134,6 +204,7 @@ def summarize(store: Store) -> dict:
         "samples": len(store),
         "tokens": store.num_tokens,
         "payload_bytes": store.num_tokens * spec.token_nbytes,
+        "disk_bytes": store._storage.fs.du(store._storage.root, total=True),
         "parts": len(set(store.manifest.column("part").to_pylist())),
         "shard_tokens": spec.shard_tokens,
         "chunk_tokens": {t.name: t.chunk_tokens for t in spec.tensors},
@@ -146,7 +217,7 @@ def _info(args: argparse.Namespace) -> int:
     with open_store(args.store, storage_options=_storage_options(args.storage_option)) as store:
         summary = summarize(store)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(_rounded(summary), indent=2))
         return 0
     length = summary["length"]
     print(f"store       {summary['url']}  (format v{summary['format_version']})")
@@ -157,7 +228,9 @@ def _info(args: argparse.Namespace) -> int:
     computed = "compute dtype not recorded" if computed is None else f"computed in {computed}"
     print(f"dtype       {summary['dtype']}  ({computed})")
     print(f"samples     {summary['samples']:,} in {summary['parts']} part(s)")
-    print(f"tokens      {summary['tokens']:,}  ({_human_bytes(summary['payload_bytes'])} of hidden states and ids)")
+    print(f"tokens      {summary['tokens']:,}")
+    print(f"bytes       {human_bytes(summary['payload_bytes'])} of hidden states and ids, "
+          f"{human_bytes(summary['disk_bytes'])} on disk (with chunk padding at commits, indexes, manifests)")
     print(f"length      min {length['min']:.0f}  p50 {length['p50']:.0f}  p90 {length['p90']:.0f}  "
           f"p99 {length['p99']:.0f}  max {length['max']:.0f}  mean {length['mean']:.1f}")
     return 0
@@ -165,24 +238,14 @@ def _info(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     options = _storage_options(args.storage_option)
-    bar = tqdm(total=0, unit="B", unit_scale=True, desc="validate", disable=None, file=sys.stderr)
-    lock = threading.Lock()
-
-    def progress(n: int) -> None:
-        with lock:
-            bar.update(n)
-
-    def on_total(n: int) -> None:
-        bar.total = n
-        bar.refresh()
-
     started = time.perf_counter()
-    report = validate(args.store, storage_options=options, workers=args.workers, sample=args.sample,
-                      check_finite=args.check_finite, seed=args.seed, progress=progress, on_total=on_total)
-    bar.close()
+    with Progress("validate", unit="B", total=0) as bar:
+        report = validate(args.store, storage_options=options, workers=args.workers, sample=args.sample,
+                          check_finite=args.check_finite, seed=args.seed, progress=bar.update,
+                          on_total=bar.set_total)
     seconds = time.perf_counter() - started
     if args.json:
-        print(json.dumps({**report.to_dict(), "seconds": seconds}, indent=2))
+        print(json.dumps(_rounded({**report.to_dict(), "seconds": seconds}), indent=2))
         return 0 if report.ok else 1
     for problem in report.problems:
         print(problem.line())
@@ -191,8 +254,8 @@ def _validate(args: argparse.Namespace) -> int:
               f"running (not an error; `hsdata gc {args.store}` lists them)")
     verdict = "OK" if report.ok else f"{len(report.problems)} PROBLEM(S)"
     print(f"{verdict}: {report.samples_checked:,} of {report.samples:,} samples, "
-          f"{_human_bytes(report.bytes_checked)} checked in {seconds:.1f} s "
-          f"({_human_bytes(report.bytes_checked / max(seconds, 1e-9))}/s)")
+          f"{human_bytes(report.bytes_checked)} checked in {seconds:.1f} s "
+          f"({human_bytes(report.bytes_checked / max(seconds, 1e-9))}/s)")
     return 0 if report.ok else 1
 
 
@@ -205,17 +268,26 @@ def _gc(args: argparse.Namespace) -> int:
     for key in keys:
         (old if now - _mtime(storage.fs.info(storage.path(key))) >= args.older_than else young).append(key)
     for key in old:
-        print(("deleting " if args.yes else "") + key)
-    if args.yes:
-        for key in old:
+        if not args.json:
+            print(("deleting " if args.yes else "") + key)
+        if args.yes:
             storage.fs.rm_file(storage.path(key))
-    if young:
-        print(f"kept {len(young)} uncommitted file(s) younger than {args.older_than:g} s (a writer may be running)")
+    if args.json:
+        print(json.dumps({"deleted" if args.yes else "to_delete": old, "kept": young,
+                          "older_than": _rounded(args.older_than)}, indent=2))
+        return 0
+    for key in young:
+        print(f"kept {key} (younger than {args.older_than:g} s: a writer may be running)")
     if old and not args.yes:
         print(f"{len(old)} uncommitted file(s); run again with --yes to delete them")
     elif not old:
         print("nothing to delete")
     return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    return run_show(args.store, args.sample, storage_options=_storage_options(args.storage_option),
+                    tokenizer=args.tokenizer, as_json=args.json, plot=args.plot)
 
 
 def _extract(args: argparse.Namespace) -> int:
@@ -225,14 +297,15 @@ def _extract(args: argparse.Namespace) -> int:
 def _extract_from_server(args: argparse.Namespace) -> int:
     if not args.data:
         raise ValueError("--server needs --data")
+    status(f"reading data {args.data} ...")
     records = list(read_jsonl(args.data))
     tokenizer = _load_tokenizer(args.tokenizer) if any(r.messages is not None for r in records) else None
-    bar = tqdm(total=len(records), unit="sample", desc="extract", disable=None, file=sys.stderr)
-    summary = extract_from_server(args.server, records, tokenizer, args.out,
-                                  storage_options=_storage_options(args.storage_option),
-                                  concurrency=args.concurrency, retries=args.retries,
-                                  commit_timeout_s=args.commit_timeout, on_sent=bar.update)
-    bar.close()
+    status(f"sending {len(records):,} samples to {args.server} ...")
+    with Progress("extract", unit="sample", total=len(records)) as bar:
+        summary = extract_from_server(args.server, records, tokenizer, args.out,
+                                      storage_options=_storage_options(args.storage_option),
+                                      concurrency=args.concurrency, retries=args.retries,
+                                      commit_timeout_s=args.commit_timeout, on_sent=bar.update)
     for sample_id, why in summary.failed.items():
         print(f"failed: sample {sample_id!r}: {why}")
     print(f"{'OK' if summary.ok else 'FAILED'}: {summary.total:,} samples: {summary.skipped:,} already in the store, "
@@ -250,14 +323,17 @@ def _extract_in_process(args: argparse.Namespace) -> int:
     check_pair(store_dtype, args.dtype)
     dtype = getattr(torch, args.dtype)
     if args.model is None:
+        status("training the demo tokenizer ...")
         tokenizer = demo.tokenizer()
+        status(f"building the demo model ({demo.MODEL_NAME}, random weights) ...")
         model, name = demo.model(len(tokenizer), seed=args.seed, dtype=dtype), demo.MODEL_NAME
         data = args.data or demo.data_path()
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         if not args.data:
             raise ValueError("--model needs --data")
+        status(f"loading model {args.model} ...")
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         data, name = args.data, args.model
         if args.model.endswith(".json"):
             torch.manual_seed(args.seed)
@@ -266,14 +342,27 @@ def _extract_in_process(args: argparse.Namespace) -> int:
             model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True)
         tokenizer = None
     model = model.to(device=args.device, dtype=dtype).eval()
+    status(f"reading data {data} ...")
     records = list(read_jsonl(data))
     if tokenizer is None and any(r.messages is not None for r in records):
         tokenizer = _load_tokenizer(args.tokenizer or (None if args.model.endswith(".json") else args.model))
-    bar = tqdm(unit="tok", unit_scale=True, desc="extract", disable=None, file=sys.stderr)
-    summary = engine_hf.extract(model, tokenizer, records, args.out, model_name=name, aux_layers=args.aux_layers,
-                                max_batch_tokens=args.max_batch_tokens, store_dtype=store_dtype,
-                                storage_options=_storage_options(args.storage_option), on_tokens=bar.update)
-    bar.close()
+    layers, norm = engine_hf.decoder_parts(model)
+    aux = args.aux_layers or engine_hf.eagle3_layers(len(layers))
+    token_bytes = 4 + 1 + (len(aux) + 1) * norm.weight.shape[-1] * getattr(torch, store_dtype).itemsize
+    bars: list[Progress] = []
+
+    def on_plan(samples: int, tokens: int) -> None:
+        bars.append(Progress("extract", unit="tok", total=tokens, samples=samples, unit_bytes=token_bytes))
+
+    status(f"tokenizing {len(records):,} records ...")
+    try:
+        summary = engine_hf.extract(model, tokenizer, records, args.out, model_name=name, aux_layers=args.aux_layers,
+                                    max_batch_tokens=args.max_batch_tokens, store_dtype=store_dtype,
+                                    storage_options=_storage_options(args.storage_option), on_plan=on_plan,
+                                    on_batch=lambda samples, tokens: bars[0].update(tokens, samples))
+    finally:
+        for bar in bars:
+            bar.close()
     for sample_id, why in summary.failed.items():
         print(f"failed: sample {sample_id!r}: {why}")
     rate = summary.tokens / max(summary.seconds, 1e-9)
@@ -286,6 +375,7 @@ def _extract_in_process(args: argparse.Namespace) -> int:
 def _load_tokenizer(name: str | None):
     if not name:
         raise ValueError("--tokenizer is needed to apply the chat template to conversations")
+    status(f"loading tokenizer {name} ...")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name)
@@ -304,14 +394,6 @@ def _mtime(info: dict) -> float:
         except (TypeError, ValueError):
             return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
     return 0.0
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    raise AssertionError
 
 
 if __name__ == "__main__":

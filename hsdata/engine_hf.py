@@ -50,12 +50,13 @@ def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, torch.nn
 
 def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], out: str, *, model_name: str,
             aux_layers: list[int] | None = None, max_batch_tokens: int = 8192, storage_options: dict | None = None,
-            store_dtype: str | torch.dtype | None = None, on_tokens: Callable[[int], None] | None = None
-            ) -> EngineSummary:
+            store_dtype: str | torch.dtype | None = None, on_plan: Callable[[int, int], None] | None = None,
+            on_batch: Callable[[int, int], None] | None = None) -> EngineSummary:
     """Tokenize, batch by length, run ``model`` and store every record not yet committed in ``out``.
 
     The states are stored in ``store_dtype`` (None: the model's dtype, as computed; a float32 model's may be
-    stored as bfloat16 or float16)."""
+    stored as bfloat16 or float16). ``on_plan(samples, tokens)`` is called once with what is to be run, before
+    the first forward; ``on_batch(samples, tokens)`` after each forward."""
     started = time.monotonic()
     summary = EngineSummary()
     layers, norm = decoder_parts(model)
@@ -80,6 +81,8 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
             continue
         todo.append((record.sample_id, ids))
         masks[record.sample_id] = mask
+    if on_plan is not None:
+        on_plan(len(todo), sum(len(ids) for _, ids in todo))
     hidden, compute_dtype = norm.weight.shape[-1], norm.weight.dtype
     store_writer = writer_module.create(out, hidden_size=hidden, aux_layers=aux_layers, model=model_name,
                                         dtype=store_dtype or compute_dtype, compute_dtype=compute_dtype,
@@ -104,8 +107,8 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
                 summary.forward_seconds += time.monotonic() - t0
                 tokens = sum(len(ids) for _, ids in batch)
                 summary.tokens += tokens
-                if on_tokens is not None:
-                    on_tokens(tokens)
+                if on_batch is not None:
+                    on_batch(len(batch), tokens)
     finally:
         for hook in hooks:
             hook.remove()

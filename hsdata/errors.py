@@ -11,6 +11,10 @@ class NotAStoreError(HsdataError, FileNotFoundError):
     """The path holds no hsdata store."""
 
 
+class MissingExtraError(HsdataError, ImportError):
+    """A URL needs an optional dependency that is not installed; the message names the ``pip install``."""
+
+
 class UnsupportedFormatError(HsdataError, ValueError):
     """The store was written in a format version this hsdata cannot read."""
 

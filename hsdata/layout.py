@@ -77,12 +77,23 @@ def encode_json(document: dict[str, Any]) -> bytes:
     return json.dumps(document, indent=2).encode()
 
 
+def _why_no_root(storage) -> str:
+    """Why ``zarr.json`` could not be read: no such path, a file instead of a directory, or no ``zarr.json``."""
+    try:
+        kind = storage.fs.info(storage.root).get("type")
+    except (FileNotFoundError, NotADirectoryError):
+        return "no such path"
+    except OSError:  # e.g. object stores that refuse listing: the plain fact is all we know
+        kind = None
+    return "it is a file, not a directory" if kind == "file" else f"it has no {ROOT_METADATA}"
+
+
 def load_spec(storage) -> StoreSpec:
     """Read and check the root metadata; raise a clear error if ``storage`` holds no hsdata store."""
     try:
         raw = storage.read_bytes(ROOT_METADATA)
-    except FileNotFoundError:
-        raise NotAStoreError(f"{storage.url} is not an hsdata store: it has no {ROOT_METADATA}") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise NotAStoreError(f"{storage.url} is not an hsdata store: {_why_no_root(storage)}") from None
     except IsADirectoryError:
         raise NotAStoreError(f"{storage.url} is not an hsdata store: {ROOT_METADATA} is a directory") from None
     try:

@@ -27,7 +27,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from . import remote
 from .cache import RangeCache
-from .errors import RemoteReadError
+from .errors import MissingExtraError, RemoteReadError
 
 MAX_OPEN_FILES = 256
 RETRIES = 5  # attempts after the first, for transient errors of remote reads
@@ -37,6 +37,17 @@ MERGE_GAP = 1 << 20  # ranges of one object at most this far apart are fetched a
 
 log = logging.getLogger("hsdata.storage")
 T = TypeVar("T")
+
+
+EXTRAS = {"http": "http", "https": "http", "s3": "s3", "s3a": "s3"}  # URL protocol -> hsdata extra
+
+
+def _missing_extra(url: str, error: ImportError) -> str:
+    """The one-line message for a URL whose filesystem is not installed, naming what to install."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    if protocol in EXTRAS:
+        return f"{url}: {protocol}:// needs an optional dependency: pip install 'hsdata[{EXTRAS[protocol]}]' ({error})"
+    return f"{url}: {protocol}:// needs a filesystem package fsspec names: {error}"
 
 
 class Storage:
@@ -49,7 +60,10 @@ class Storage:
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         self.url = str(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        except ImportError as e:
+            raise MissingExtraError(_missing_extra(self.url, e)) from None
         self.root = self.root.rstrip("/")
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.max_requests = max_requests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -181,3 +182,15 @@ def test_background_io_failure_surfaces_and_commits_nothing(store_path):
         w.add("b", **GOOD)
     w.abort()
     assert len(hsdata.open(str(store_path))) == 0
+
+
+@pytest.mark.parametrize("url, extra", [("http://127.0.0.1:9/store", "http"), ("s3://bucket/store", "s3")])
+def test_a_url_whose_filesystem_is_not_installed_names_the_extra(monkeypatch, url, extra):
+    import fsspec
+
+    def missing(*args, **kwargs):
+        raise ImportError("Install the filesystem's package")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", missing)
+    with pytest.raises(hsdata.MissingExtraError, match=re.escape(f"pip install 'hsdata[{extra}]'")):
+        hsdata.open(url)

@@ -1,7 +1,8 @@
-"""The ``hsdata`` command line, run as a real process."""
+"""The ``hsdata`` command line: as a real process, and in-process through ``hsdata.cli.main``."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -54,3 +55,118 @@ def test_bad_usage_is_exit_code_2(tmp_path):
     assert hsdata_cli("frobnicate").returncode == 2
     result = hsdata_cli("info", str(tmp_path), "--storage-option", "novalue")
     assert result.returncode == 2 and "expects KEY=VALUE" in result.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """``hsdata.cli.main`` in this process: exit code, stdout, stderr."""
+    from hsdata.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_version(capsys):
+    assert run_main(capsys, "--version") == (0, "hsdata 0.1.0\n", "")
+
+
+def test_help_has_no_markup_and_names_the_exit_codes(capsys):
+    code, out, _ = run_main(capsys, "--help")
+    assert code == 0 and "``" not in out and "exit codes: 0 success" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["info", "STORE", "--bogus"], "hsdata info: error: unrecognized arguments: --bogus"),
+    (["gc", "STORE", "--older-than", "-5"], "hsdata gc: error: argument --older-than: must be >= 0, got -5"),
+    (["extract", "--out", "OUT", "--model", "/no/such/dir"],
+     "hsdata extract: error: argument --model: no such path: /no/such/dir"),
+    (["extract", "--out", "OUT", "--tokenizer", "/no/such/dir"],
+     "hsdata extract: error: argument --tokenizer: no such path: /no/such/dir"),
+    (["extract", "--out", "OUT", "--data", "/no/such.jsonl"],
+     "hsdata extract: error: argument --data: no such file: /no/such.jsonl"),
+    (["extract", "--out", "OUT", "--device", "cdua"],
+     "hsdata extract: error: argument --device: not a torch device: 'cdua' (cpu, cuda, cuda:1, mps, ...)"),
+])
+def test_bad_arguments_are_one_line_with_the_subcommands_usage_and_exit_2(capsys, tmp_path, args, message):
+    args = [str(tmp_path / a) if a in ("STORE", "OUT") else a for a in args]
+    code, out, err = run_main(capsys, *args)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"usage: hsdata {args[0]} ") and err.strip().splitlines()[-1] == message
+
+
+def test_cuda_without_cuda_is_a_bad_argument(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run_main(capsys, "extract", "--out", str(tmp_path / "out"), "--device", "cuda")
+    assert code == 2 and "argument --device: cuda: CUDA is not available on this machine" in err
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda p: None, "no such path"),
+    (lambda p: p.write_text("x"), "it is a file, not a directory"),
+    (lambda p: p.mkdir(), "it has no zarr.json"),
+])
+def test_a_path_that_is_not_a_store_says_why(capsys, tmp_path, make, why):
+    path = tmp_path / "store"
+    make(path)
+    for command in ("info", "validate", "gc"):
+        code, out, err = run_main(capsys, command, str(path))
+        assert (code, out) == (2, "")
+        assert err.splitlines() == [f"hsdata {command}: error: {path} is not an hsdata store: {why}"], command
+
+
+def test_info_json_is_rounded_and_sizes_show_payload_and_disk_bytes(capsys, store_path):
+    write_store(store_path, {f"s{i}": make_sample(10 + i, i) for i in range(4)})  # lengths 10..13: p90 is 12.7
+    code, out, _ = run_main(capsys, "info", str(store_path), "--json")
+    summary = json.loads(out)
+    assert code == 0 and summary["length"]["p90"] == 12.7 and summary["length"]["min"] == 10
+    assert all(len(repr(v).split(".")[-1]) <= 3 for v in summary["length"].values() if isinstance(v, float))
+    disk = sum(f.stat().st_size for f in store_path.rglob("*") if f.is_file())
+    assert summary["disk_bytes"] == disk > summary["payload_bytes"]
+    code, out, _ = run_main(capsys, "info", str(store_path))
+    assert "of hidden states and ids" in out and "on disk" in out
+
+
+def test_gc_names_what_it_keeps_and_has_json(capsys, store_path):
+    write_store(store_path, {"s": make_sample(10, 0)})
+    leftover = store_path / "parts" / ".x.partial"
+    leftover.write_bytes(b"x")
+    code, out, _ = run_main(capsys, "gc", str(store_path))
+    assert code == 0 and "kept parts/.x.partial (younger than 3600 s: a writer may be running)" in out
+    code, out, _ = run_main(capsys, "gc", str(store_path), "--json", "--older-than", "0", "--yes")
+    assert code == 0 and json.loads(out) == {"deleted": ["parts/.x.partial"], "kept": [], "older_than": 0}
+    assert not leftover.exists()
+
+
+def test_extract_says_what_it_does_and_shows_totals(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    code, out, _ = run_main(capsys, "extract", "--out", str(tmp_path / "demo"))
+    assert code == 0 and out.startswith("OK: 24 samples")
+    lines = sys.stderr.getvalue().replace("\r", "\n").splitlines()
+    assert lines[:4] == ["training the demo tokenizer ...",
+                         "building the demo model (hsdata/demo-llama, random weights) ...",
+                         f"reading data {__import__('hsdata.demo').demo.data_path()} ...",
+                         "tokenizing 24 records ..."]
+    assert "1.64ktok/1.64ktok" in lines[-1] and "24/24 samples" in lines[-1] and "/s written" in lines[-1]
+
+
+def test_progress_bars_use_the_summaries_binary_units_and_show_totals_rates_and_eta(monkeypatch):
+    from hsdata import progress
+
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    with progress.Progress("validate", unit="B", total=3 << 20) as bar:
+        bar.update(1 << 20)
+    assert "1.00MiB/3.00MiB" in sys.stderr.getvalue()
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    with progress.Progress("extract", unit="tok", total=2000, samples=4, unit_bytes=1 << 20) as bar:
+        bar.update(1000, samples=2)
+    shown = sys.stderr.getvalue()
+    assert "1.00ktok/2.00ktok" in shown and "tok/s" in shown and "2/4 samples" in shown and "/s written" in shown
+    assert "<" in shown  # tqdm's elapsed<remaining (ETA)
