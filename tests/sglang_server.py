@@ -112,9 +112,7 @@ class Server:
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
             self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        except ProcessLookupError:
+        except (subprocess.TimeoutExpired, ProcessLookupError):
             pass
         self.kill()
 
