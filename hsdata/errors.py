@@ -35,6 +35,11 @@ class CorruptDataError(HsdataError, OSError):
     """Bytes read from the store do not match their checksum, or a file is truncated or missing."""
 
 
+class UnsafePathError(CorruptDataError):
+    """A path in the store leads out of it (a symlink, ``..``) or is not a regular file (a FIFO, a device, a
+    folder where a file belongs); hsdata refuses it before reading, writing or deleting anything there."""
+
+
 class RemoteReadError(HsdataError, OSError):
     """A remote read kept failing transiently (5xx, timeouts, dropped connections) through every retry; the
     last failure is its ``__cause__``."""

@@ -7,7 +7,6 @@ are stored this way.
 
 from __future__ import annotations
 
-import io
 import re
 
 import pyarrow as pa
@@ -22,9 +21,9 @@ FILE_NAME = re.compile(r"^(?P<writer>[A-Za-z0-9_-]+)\.(?P<seq>\d{8})\.(?P<hash>[
 
 def write(storage: Storage, folder: str, writer: str, seq: int, table: pa.Table) -> str:
     """Write ``table`` as one atomic, write-once file; returns its key."""
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd", write_page_checksum=True)
-    data = buf.getvalue()
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd", write_page_checksum=True)
+    data = sink.getvalue().to_pybytes()
     key = f"{folder}/{writer}.{seq:08d}.{xxhash.xxh3_64_hexdigest(data)}.parquet"
     storage.write_bytes(key, data)
     return key
@@ -42,7 +41,13 @@ def decode(name: str, data: bytes, schema: pa.Schema, where: str) -> pa.Table:
     if computed != match["hash"]:
         raise CorruptDataError(f"{where}: checksum mismatch (name says {match['hash']}, bytes hash to {computed})")
     try:
-        table = pq.read_table(io.BytesIO(data))
+        # Arrow must never hold the Python bytes: a worker thread dropping the last reference to them at
+        # interpreter exit takes the GIL and aborts the process ("terminate called without an active exception",
+        # apache/arrow#34314). So: an Arrow-owned copy, decoded on this thread (pq.read_table goes through the
+        # async dataset scanner, whose threads outlive the call).
+        copy = pa.BufferOutputStream()
+        copy.write(data)
+        table = pq.ParquetFile(pa.BufferReader(copy.getvalue())).read(use_threads=False)
     except (pa.ArrowException, OSError) as e:
         raise CorruptDataError(f"{where}: unreadable Parquet: {e}") from None
     if not table.schema.equals(schema, check_metadata=False):

@@ -1,0 +1,80 @@
+"""Removals: write-once Parquet tables in ``removals/`` that take committed rows and added masks out of a store.
+
+Store files are never rewritten. To repair a store (a sample that should not be there, a wrong added loss
+mask), a removal names exactly what it takes out: a manifest row by ``(sample_id, part, token_offset)``, an
+added mask by ``(sample_id, mask_file)``. Readers, ``validate`` and ``gc`` apply every removal before anything
+else; what a removal names stays on disk (its shard bytes are not reclaimed). A sample id whose rows are all
+removed may be committed again; a removed mask may be replaced by adding a new one.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+import pyarrow as pa
+
+from . import tables
+from .errors import CorruptDataError
+from .storage import Storage
+
+REMOVALS = "removals"
+SCHEMA = pa.schema([
+    pa.field("sample_id", pa.string(), nullable=False),
+    pa.field("part", pa.string()),  # with token_offset: the manifest row removed; else null
+    pa.field("token_offset", pa.int64()),
+    pa.field("mask_file", pa.string()),  # the masks/ file name whose mask for sample_id is removed; else null
+    pa.field("reason", pa.string()),
+    pa.field("created", pa.timestamp("us", tz="UTC"), nullable=False),
+])
+
+
+@dataclass(frozen=True)
+class Removals:
+    rows: frozenset[tuple[str, str, int]]  # (sample_id, part, token_offset)
+    masks: frozenset[tuple[str, str]]  # (sample_id, mask_file)
+
+    def drop_rows(self, rows: pa.Table) -> pa.Table:
+        """``rows`` (manifest rows) without the removed ones."""
+        if not self.rows or not len(rows):
+            return rows
+        keys = zip(rows.column("sample_id").to_pylist(), rows.column("part").to_pylist(),
+                   rows.column("token_offset").to_pylist())
+        keep = np.fromiter((key not in self.rows for key in keys), bool, len(rows))
+        return rows if keep.all() else rows.filter(pa.array(keep))
+
+
+def write(storage: Storage, *, rows: list[tuple[str, str, int]] = (), masks: list[tuple[str, str]] = (),
+          reason: str | None = None) -> str | None:
+    """Commit one removal file taking out ``rows`` ``(sample_id, part, token_offset)`` and ``masks``
+    ``(sample_id, mask_file)``; returns its key (None: nothing to remove)."""
+    entries = [(i, p, o, None) for i, p, o in rows] + [(i, None, None, f) for i, f in masks]
+    if not entries:
+        return None
+    created = datetime.now(timezone.utc)
+    table = pa.table({"sample_id": [e[0] for e in entries], "part": [e[1] for e in entries],
+                      "token_offset": [e[2] for e in entries], "mask_file": [e[3] for e in entries],
+                      "reason": [reason] * len(entries), "created": [created] * len(entries)}, schema=SCHEMA)
+    writer = f"{created:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+    return tables.write(storage, REMOVALS, writer, 0, table)
+
+
+def load(storage: Storage) -> Removals:
+    """Every removal of the store, verified."""
+    table = tables.load(storage, REMOVALS, SCHEMA, _check_entries)
+    ids, parts = table.column("sample_id").to_pylist(), table.column("part").to_pylist()
+    offsets, files = table.column("token_offset").to_pylist(), table.column("mask_file").to_pylist()
+    return Removals(rows=frozenset((i, p, o) for i, p, o in zip(ids, parts, offsets) if p is not None),
+                    masks=frozenset((i, f) for i, f in zip(ids, files) if f is not None))
+
+
+def _check_entries(name: str, table: pa.Table, where: str) -> None:
+    """Each entry names a manifest row (part and token_offset) or an added mask (mask_file), not both."""
+    row = table.column("part").is_valid().to_numpy(zero_copy_only=False)
+    offset = table.column("token_offset").is_valid().to_numpy(zero_copy_only=False)
+    mask = table.column("mask_file").is_valid().to_numpy(zero_copy_only=False)
+    if (row != offset).any() or (row == mask).any():
+        raise CorruptDataError(f"{where}: a removal must name either a manifest row (part and token_offset) "
+                               "or an added mask (mask_file)")
