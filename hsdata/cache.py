@@ -9,6 +9,7 @@ manifest's checksums like fetched ones; hsdata objects are never rewritten, so a
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 import uuid
@@ -33,11 +34,12 @@ class RangeCache:
         """Fill ``buffers`` with the cached range; False (buffers untouched or partly written) if it is absent."""
         path = self._path(location, start, end)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there must not block
         except FileNotFoundError:
             return False
         try:
-            if os.fstat(fd).st_size != end - start or os.readv(fd, buffers) != end - start:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != end - start or os.readv(fd, buffers) != end - start:
                 return False
         finally:
             os.close(fd)

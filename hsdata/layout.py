@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import CorruptDataError, NotAStoreError
+from .errors import CorruptDataError, NotAStoreError, UnsupportedFormatError
 from .spec import StoreSpec, TensorSpec
 
 ROOT_METADATA = "zarr.json"
@@ -21,6 +21,8 @@ PARTS = "parts"
 MANIFESTS = "manifests"
 SPEC_ATTRIBUTE = "hsdata"
 PART_ATTRIBUTE = "hsdata_part"
+MAX_METADATA_BYTES = 1 << 20  # a zarr.json hsdata writes is < 4 KiB; a larger one is refused before it is read
+MAX_JSON_DEPTH = 32  # nesting of arrays and objects in a zarr.json (hsdata's are 6 deep)
 
 
 def metadata_key(node: str) -> str:
@@ -77,6 +79,39 @@ def encode_json(document: dict[str, Any]) -> bytes:
     return json.dumps(document, indent=2).encode()
 
 
+def read_document(storage, key: str) -> dict[str, Any]:
+    """Read and parse one ``zarr.json``: at most ``MAX_METADATA_BYTES``, nested at most ``MAX_JSON_DEPTH`` deep, a
+    JSON object whose ``attributes`` (if present) is an object; else :class:`CorruptDataError` naming it."""
+    where = storage.describe(key)
+    raw = storage.read_bytes(key, max_bytes=MAX_METADATA_BYTES)
+    try:
+        document = json.loads(raw)
+    except RecursionError:
+        raise CorruptDataError(f"{where} is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
+        raise CorruptDataError(f"{where} is not valid JSON: {e}") from None
+    if _depth(document) > MAX_JSON_DEPTH:
+        raise CorruptDataError(f"{where} is nested deeper than {MAX_JSON_DEPTH} levels")
+    if not isinstance(document, dict):
+        raise CorruptDataError(f"{where} is not a JSON object (got {type(document).__name__})")
+    if not isinstance(document.get("attributes", {}), dict):
+        raise CorruptDataError(f"{where}: attributes must be a JSON object, got "
+                               f"{type(document['attributes']).__name__}")
+    return document
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _why_no_root(storage) -> str:
     """Why ``zarr.json`` could not be read: no such path, a file instead of a directory, or no ``zarr.json``."""
     try:
@@ -91,16 +126,15 @@ def _why_no_root(storage) -> str:
 def load_spec(storage) -> StoreSpec:
     """Read and check the root metadata; raise a clear error if ``storage`` holds no hsdata store."""
     try:
-        raw = storage.read_bytes(ROOT_METADATA)
+        document = read_document(storage, ROOT_METADATA)
     except (FileNotFoundError, NotADirectoryError):
         raise NotAStoreError(f"{storage.url} is not an hsdata store: {_why_no_root(storage)}") from None
     except IsADirectoryError:
         raise NotAStoreError(f"{storage.url} is not an hsdata store: {ROOT_METADATA} is a directory") from None
-    try:
-        document = json.loads(raw)
-    except ValueError as e:
-        raise CorruptDataError(f"{storage.describe(ROOT_METADATA)} is not valid JSON: {e}") from None
-    if not isinstance(document, dict) or SPEC_ATTRIBUTE not in document.get("attributes", {}):
+    if SPEC_ATTRIBUTE not in document.get("attributes", {}):
         raise NotAStoreError(f"{storage.url} is not an hsdata store: its {ROOT_METADATA} has no "
                              f"attributes.{SPEC_ATTRIBUTE}")
-    return StoreSpec.from_dict(document["attributes"][SPEC_ATTRIBUTE])
+    try:
+        return StoreSpec.from_dict(document["attributes"][SPEC_ATTRIBUTE])
+    except UnsupportedFormatError as e:
+        raise UnsupportedFormatError(f"{storage.describe(ROOT_METADATA)}: {e}") from None

@@ -18,6 +18,11 @@ CHUNK_TARGET_BYTES = 4 << 20
 SHARD_TARGET_BYTES = 4 << 30
 MAX_SHARD_TOKENS = 1 << 20
 
+# Sane ranges (docs/format.md section 2): a spec outside them is refused, by writers and readers alike.
+MAX_HIDDEN_SIZE = 1 << 20
+MAX_LAYER_ID = 4095
+MAX_AUX_LAYERS = 64
+
 TENSOR_NAMES = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
 HIDDEN_TENSORS = ("aux_hidden_states", "hidden_states")
 MAX_INPUT_ID = 2**31 - 1
@@ -95,10 +100,14 @@ class StoreSpec:
         dtype = hidden_dtype("dtype", dtype)
         compute_dtype = dtype if compute_dtype is None else hidden_dtype("compute_dtype", compute_dtype)
         check_pair(dtype, compute_dtype)
-        _check_positive_int("hidden_size", hidden_size)
+        _check_positive_int("hidden_size", hidden_size, MAX_HIDDEN_SIZE)
         aux = tuple(aux_layers)
-        if not aux or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in aux):
-            raise ValueError(f"aux_layers must be a non-empty list of layer ids >= 0, got {aux_layers!r}")
+        if not 0 < len(aux) <= MAX_AUX_LAYERS:
+            raise ValueError(f"aux_layers must be a non-empty list of at most {MAX_AUX_LAYERS} layer ids, "
+                             f"got {aux_layers!r}")
+        if not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LAYER_ID for k in aux):
+            raise ValueError(f"aux_layers must be a non-empty list of layer ids in [0, {MAX_LAYER_ID}], "
+                             f"got {aux_layers!r}")
         if len(set(aux)) != len(aux):
             raise ValueError(f"aux_layers has repeated ids: {aux_layers!r}")
         if model is not None and not isinstance(model, str):
@@ -117,7 +126,7 @@ class StoreSpec:
         row_nbytes = {n: (w or 1) * DTYPES[logical[n]].itemsize for n, w in widths.items()}
         if shard_tokens is None:
             shard_tokens = min(MAX_SHARD_TOKENS, _pow2_floor(SHARD_TARGET_BYTES // max(row_nbytes.values())))
-        _check_positive_int("shard_tokens", shard_tokens)
+        _check_positive_int("shard_tokens", shard_tokens, MAX_SHARD_TOKENS)
         tensors = []
         for name, width in widths.items():
             if name in HIDDEN_TENSORS and chunk_tokens is not None:
@@ -130,6 +139,7 @@ class StoreSpec:
                 while shard_tokens % ct:
                     ct //= 2
             tensors.append(TensorSpec(name, DTYPES[logical[name]].data_type, logical[name], width, ct))
+        _check_power_of_two("shard_tokens", shard_tokens)
         return cls(hidden_size, aux, model, vocab_size, dtype, compute_dtype, shard_tokens, tuple(tensors))
 
     def tensor(self, name: str) -> TensorSpec:
@@ -194,9 +204,11 @@ class StoreSpec:
         if spec.to_dict() != d:
             raise UnsupportedFormatError(f"hsdata attributes are inconsistent: {d!r}")
         for t in tensors:
-            _check_positive_int(f"tensors.{t.name}.chunk_tokens", t.chunk_tokens)
-            if spec.shard_tokens % t.chunk_tokens:
-                raise UnsupportedFormatError(f"tensor {t.name}: shard_tokens is not a multiple of chunk_tokens")
+            try:
+                _check_positive_int(f"tensors.{t.name}.chunk_tokens", t.chunk_tokens, spec.shard_tokens)
+                _check_power_of_two(f"tensors.{t.name}.chunk_tokens", t.chunk_tokens)
+            except ValueError as e:
+                raise UnsupportedFormatError(f"hsdata attributes are invalid: {e}") from None
         return spec
 
     def check_joinable(self, requested: StoreSpec, *, explicit: set[str]) -> None:
@@ -225,9 +237,16 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _check_positive_int(name: str, value: Any) -> None:
+def _check_positive_int(name: str, value: Any, maximum: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}")
+
+
+def _check_power_of_two(name: str, value: int) -> None:
+    if value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
 
 
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "StoreSpec", "TensorSpec", "TENSOR_NAMES"]

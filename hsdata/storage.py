@@ -4,6 +4,10 @@ Local paths get ``write to a hidden partial file, fsync, rename, fsync the direc
 into the caller's buffers. Other filesystems (object stores) get write-once objects: an object becomes
 visible only when its upload completes. Remote reads are retried on transient errors; ranges are fetched with a
 bounded number of requests in flight, neighbouring ones merged, optionally through a local :class:`RangeCache`.
+
+Every key is checked before use: no absolute keys, no ``..``, ``.`` or empty components; locally its resolved
+path must lie under the store's resolved root (a symlink may point inside the store, never out of it), and only
+regular files are read, listed or deleted, opened without blocking. Anything else is :class:`UnsafePathError`.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ import itertools
 import logging
 import os
 import random
+import stat
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Awaitable, BinaryIO, Callable, Iterator, Sequence, TypeVar
 
 import fsspec
@@ -27,7 +33,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from . import remote
 from .cache import RangeCache
-from .errors import MissingExtraError, RemoteReadError
+from .errors import CorruptDataError, HsdataError, MissingExtraError, RemoteReadError, UnsafePathError
 
 MAX_OPEN_FILES = 256
 RETRIES = 5  # attempts after the first, for transient errors of remote reads
@@ -68,34 +74,128 @@ class Storage:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.max_requests = max_requests
         self.cache = None if self.is_local else cache
-        self._files = _FileCache() if self.is_local else None
+        self._real_root = os.path.realpath(self.root) if self.is_local else None
+        self._files = _FileCache(self._open_regular) if self.is_local else None
         self._limit: tuple[int, asyncio.Semaphore] | None = None  # (pid, semaphore on fsspec's event loop)
 
     def path(self, key: str) -> str:
+        """The filesystem path of ``key`` as fsspec spells it (the key is checked, not resolved)."""
+        _check_key(key, self)
         return f"{self.root}/{key}" if key else self.root
 
     def describe(self, key: str) -> str:
         """The key as a user-facing location (for error messages)."""
         return f"{self.url.rstrip('/')}/{key}"
 
-    def read_bytes(self, key: str) -> bytes:
-        return self._retrying(lambda: self.fs.cat_file(self.path(key)), key)
+    def read_bytes(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The whole object; with ``max_bytes``, a larger one raises :class:`CorruptDataError` before more than
+        ``max_bytes + 1`` of it is read (remotely: one ranged GET of that many bytes)."""
+        if self.is_local:
+            return self._read_local(key, None, None, max_bytes)
+        end = None if max_bytes is None else max_bytes + 1
+        data = self._retrying(lambda: self.fs.cat_file(self.path(key), start=None if end is None else 0, end=end), key)
+        return self._within(key, data, max_bytes)
 
-    def read_many(self, keys: Sequence[str]) -> list[bytes]:
-        """Whole objects, fetched concurrently on remote filesystems."""
-        return self._fetch([(key, None, None) for key in keys])
+    def read_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[bytes]:
+        """Whole objects, fetched concurrently on remote filesystems; ``max_bytes`` as for :meth:`read_bytes`."""
+        if self.is_local or not self.fs.async_impl:
+            return [self.read_bytes(key, max_bytes) for key in keys]
+        ranges = [(key, None, None) if max_bytes is None else (key, 0, max_bytes + 1) for key in keys]
+        return [self._within(key, data, max_bytes) for key, data in zip(keys, self._fetch(ranges))]
 
     def exists(self, key: str) -> bool:
+        if self.is_local:
+            return os.path.lexists(self._local_path(key))
         return self._retrying(lambda: self.fs.exists(self.path(key)), key)
 
     def list(self, prefix: str) -> list[str]:
-        """Names of the visible (not dot-hidden) files directly under ``prefix``; empty if it does not exist."""
+        """Names of the visible (not dot-hidden) files directly under ``prefix``; empty if it does not exist.
+
+        A visible entry that is not a regular file (a folder, a FIFO, a symlink leading out of the store) raises
+        :class:`UnsafePathError`: what belongs in the folder must never be skipped silently."""
+        if self.is_local:
+            return self._list_local(prefix)
         try:
             entries = self._retrying(lambda: self.fs.ls(self.path(prefix), detail=True, refresh=True), prefix)
         except FileNotFoundError:
             return []
-        names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "file"]
-        return sorted(n for n in names if not n.startswith("."))
+        names = []
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("."):
+                continue
+            if entry["type"] != "file":
+                raise UnsafePathError(f"{self.describe(f'{prefix}/{name}')} is a {entry['type']}, not a file")
+            names.append(name)
+        return sorted(names)
+
+    def find(self, prefix: str) -> list[str]:
+        """Keys of every file under ``prefix``, recursively, dot-hidden ones included; [] if it is absent.
+
+        Locally no symlink is followed: a symlink, FIFO or other entry that is not a folder or a regular file
+        raises :class:`UnsafePathError`."""
+        if not self.is_local:
+            try:
+                found = self._retrying(lambda: self.fs.find(self.path(prefix)), prefix)
+            except FileNotFoundError:
+                return []
+            root, under = self.root + "/", f"{self.root}/{prefix}/" if prefix else self.root + "/"
+            for path in found:
+                if not path.startswith(under):
+                    raise UnsafePathError(f"{self.describe(prefix)}: listing names {path}, outside the folder")
+            return sorted(path[len(root):] for path in found)
+        self._local_path(prefix)  # confined
+        top = self._unresolved(prefix)
+        try:
+            mode = os.lstat(top).st_mode
+        except (FileNotFoundError, NotADirectoryError):  # absent, or under a file: no such folder
+            return []
+        if not stat.S_ISDIR(mode):
+            raise UnsafePathError(f"{self.describe(prefix)} is {_kind(mode)}, not a folder")
+        keys = []
+
+        def fail(error: OSError):
+            raise error
+
+        for directory, folders, files in os.walk(top, onerror=fail, followlinks=False):
+            relative = os.path.relpath(directory, self._real_root).replace(os.sep, "/")
+            for name in folders + files:
+                key = name if relative == "." else f"{relative}/{name}"
+                mode = os.lstat(os.path.join(directory, name)).st_mode
+                if stat.S_ISREG(mode):
+                    keys.append(key)
+                elif not stat.S_ISDIR(mode):
+                    raise UnsafePathError(f"{self.describe(key)} is {_kind(mode)}; a store holds only folders "
+                                          "and regular files")
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        """Delete one regular file (locally: never through a symlink)."""
+        if not self.is_local:
+            self._retrying(lambda: self.fs.rm_file(self.path(key)), key)
+            return
+        path = self._local_path(key)
+        mode = os.lstat(self._unresolved(key)).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafePathError(f"{self.describe(key)} is {_kind(mode)}, not a regular file: not deleted")
+        os.unlink(path)
+
+    def modified(self, key: str) -> float:
+        """Modification time of ``key``, in seconds since the epoch (0.0 if the filesystem does not say)."""
+        if self.is_local:
+            return os.stat(self._regular_path(key)).st_mtime
+        return _mtime(self._retrying(lambda: self.fs.info(self.path(key)), key))
+
+    def disk_usage(self) -> int:
+        """Bytes of the regular files under the root (locally: symlinks are neither followed nor counted)."""
+        if not self.is_local:
+            return self._retrying(lambda: self.fs.du(self.root, total=True), "")
+        total = 0
+        for directory, _, files in os.walk(self._real_root, followlinks=False):
+            for name in files:
+                st = os.lstat(os.path.join(directory, name))
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+        return total
 
     def write_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> bool:
         """Write a whole object atomically; with ``exclusive``, return False instead of replacing one."""
@@ -110,12 +210,19 @@ class Storage:
             raise
 
     def open_writer(self, key: str) -> AtomicWriter:
-        return _LocalAtomicWriter(self.path(key)) if self.is_local else _RemoteWriter(self.fs, self.path(key))
+        if self.is_local:
+            return _LocalAtomicWriter(self._local_path(key))  # checked before its folder is made
+        return _RemoteWriter(self.fs, self.path(key))
 
     def size(self, key: str) -> int:
+        if self.is_local:
+            return os.stat(self._regular_path(key)).st_size
         return self._retrying(lambda: self.fs.size(self.path(key)), key)
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` (fewer where the object ends before ``end``)."""
+        if self.is_local:
+            return self._read_local(key, start, end, None)
         return self._retrying(lambda: self.fs.cat_file(self.path(key), start=start, end=end), key)
 
     def read_into(self, requests: Sequence[tuple[str, int, Sequence[memoryview]]], *,
@@ -157,31 +264,108 @@ class Storage:
 
     def pread_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
         """Local only: one ``preadv`` filling ``buffers`` from ``offset``; returns the bytes read."""
-        with self._files.use(self.path(key)) as fd:
+        with self._files.use(key) as fd:
             return os.preadv(fd, buffers, offset)
 
     def close(self) -> None:
         if self._files is not None:
             self._files.close()
 
+    def _local_path(self, key: str) -> str:
+        """The resolved path of a local ``key``; raises :class:`UnsafePathError` unless it lies under the root."""
+        _check_key(key, self)
+        path = os.path.realpath(self._unresolved(key))
+        if path != self._real_root and not path.startswith(self._real_root.rstrip(os.sep) + os.sep):
+            raise UnsafePathError(f"{self.describe(key)} leads out of the store (to {path}); refused")
+        return path
+
+    def _unresolved(self, key: str) -> str:
+        """The local path of a checked ``key`` under the resolved root, its own symlinks not resolved."""
+        return os.path.join(self._real_root, *key.split("/")) if key else self._real_root
+
+    def _regular_path(self, key: str) -> str:
+        """:meth:`_local_path`, which must be a regular file (stat only: nothing is opened)."""
+        path = self._local_path(key)
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafePathError(f"{self.describe(key)} is {_kind(mode)}, not a regular file")
+        return path
+
+    def _open_regular(self, key: str) -> int:
+        """A read-only descriptor of a local regular file (checked before and after opening, which never blocks)."""
+        return self._checked_fd(key, os.open(self._regular_path(key), os.O_RDONLY | os.O_NONBLOCK))
+
+    def _checked_fd(self, key: str, fd: int) -> int:
+        """``fd``, if it is a regular file's; else it is closed and :class:`UnsafePathError` raised."""
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise UnsafePathError(f"{self.describe(key)} is {_kind(mode)}, not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _read_local(self, key: str, start: int | None, end: int | None, max_bytes: int | None) -> bytes:
+        def opener(path: str, flags: int) -> int:
+            return self._checked_fd(key, os.open(path, flags | os.O_NONBLOCK))
+
+        with open(self._regular_path(key), "rb", buffering=0, opener=opener) as f:
+            size = os.fstat(f.fileno()).st_size
+            if max_bytes is not None:
+                self._check_size(key, size, max_bytes)
+            start = 0 if start is None else start
+            end = size if end is None else min(end, size)
+            pieces, at = [], start
+            while at < end:  # a file may shrink while read: stop at its end
+                piece = os.pread(f.fileno(), end - at, at)
+                if not piece:
+                    break
+                pieces.append(piece)
+                at += len(piece)
+            return b"".join(pieces)
+
+    def _list_local(self, prefix: str) -> list[str]:
+        folder = self._local_path(prefix)
+        try:
+            mode = os.lstat(folder).st_mode
+        except (FileNotFoundError, NotADirectoryError):  # absent, or under a file: no such folder
+            return []
+        if not stat.S_ISDIR(mode):
+            raise UnsafePathError(f"{self.describe(prefix)} is {_kind(mode)}, not a folder")
+        entries = list(os.scandir(folder))
+        names = []
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            key = f"{prefix}/{entry.name}" if prefix else entry.name
+            if entry.is_symlink():
+                self._regular_path(key)  # a symlink to a regular file inside the store is fine
+            elif not entry.is_file(follow_symlinks=False):
+                raise UnsafePathError(f"{self.describe(key)} is {_kind(entry.stat(follow_symlinks=False).st_mode)}, "
+                                      "not a regular file")
+            names.append(entry.name)
+        return sorted(names)
+
+    def _check_size(self, key: str, size: int, max_bytes: int) -> None:
+        if size > max_bytes:
+            raise CorruptDataError(f"{self.describe(key)} is {size:,} bytes, more than the {max_bytes:,} allowed")
+
+    def _within(self, key: str, data: bytes, max_bytes: int | None) -> bytes:
+        """``data`` read remotely with a limit: ``max_bytes + 1`` bytes mean the object is larger."""
+        if max_bytes is not None and len(data) > max_bytes:
+            raise CorruptDataError(f"{self.describe(key)} is more than the {max_bytes:,} bytes allowed")
+        return data
+
     def _fetch(self, requests: Sequence[tuple[str, int | None, int | None]]) -> list[bytes]:
-        """``(key, start, end)`` ranges (``None, None``: the whole object), at most ``max_requests`` in flight."""
-        pending = self._submit(requests)
+        """Async filesystems: ``(key, start, end)`` ranges (``None, None``: the whole object), fetched on fsspec's
+        event loop, at most ``max_requests`` in flight."""
+        pending = [asyncio.run_coroutine_threadsafe(self._get(*request), self.fs.loop) for request in requests]
         try:
             return [future.result() for future in pending]
         finally:
             for future in pending:
                 future.cancel()
-
-    def _submit(self, requests: Sequence[tuple[str, int | None, int | None]]) -> list[Future]:
-        """Start fetching every request on fsspec's event loop; a synchronous filesystem fetches them here."""
-        if not self.fs.async_impl:
-            done = []
-            for key, start, end in requests:
-                done.append(Future())
-                done[-1].set_result(self._retrying(lambda: self.fs.cat_file(self.path(key), start=start, end=end), key))
-            return done
-        return [asyncio.run_coroutine_threadsafe(self._get(*request), self.fs.loop) for request in requests]
 
     async def _get(self, key: str, start: int | None, end: int | None) -> bytes:
         async with self._requests_limit():
@@ -230,8 +414,9 @@ class Storage:
         """Seconds to wait before retrying after ``error``; raises ``error`` when a retry is not worth it."""
         if self.is_local or not _transient(error):
             raise error
-        shown = error.__cause__ if not str(error) and error.__cause__ is not None else error  # fsspec's
-        # FSTimeoutError() has an empty message; what it wraps says which timeout
+        wrapped = not str(error) or isinstance(error, FileNotFoundError)  # fsspec's FSTimeoutError() has an empty
+        # message, its HTTP info turns every failure into FileNotFoundError(url): what they wrap says what failed
+        shown = error.__cause__ if wrapped and error.__cause__ is not None else error
         if attempt == RETRIES:
             raise RemoteReadError(f"reading {self.describe(key)} failed {attempt + 1} times; the last time: "
                                   f"{type(shown).__name__}: {shown}") from error
@@ -239,6 +424,39 @@ class Storage:
         log.warning("hsdata: reading %s failed (%s: %s); retry %d of %d in %.1f s", self.describe(key),
                     type(shown).__name__, str(shown)[:200], attempt + 1, RETRIES, delay)
         return delay
+
+
+def _check_key(key: str, storage: Storage) -> None:
+    """Refuse keys that could name something outside the store: absolute, ``..``, ``.`` or empty parts, NUL."""
+    if not isinstance(key, str) or (key and (key.startswith("/") or "\0" in key or "\\" in key or any(
+            part in ("", ".", "..") for part in key.split("/")))):
+        raise UnsafePathError(f"{storage.describe(str(key))}: not a key inside the store "
+                              "(absolute, or with '..', '.', empty parts, backslashes or NUL); refused")
+
+
+def _kind(mode: int) -> str:
+    """What a file mode says an entry is, for error messages."""
+    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _mtime(info: dict) -> float:
+    """Modification time of an fsspec ``info`` entry, across filesystems' spellings."""
+    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(name)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return value.timestamp()
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    return 0.0
 
 
 def merge_ranges(ranges: Sequence[tuple[str, int, int]], *, max_gap: int,
@@ -262,13 +480,16 @@ def merge_ranges(ranges: Sequence[tuple[str, int, int]], *, max_gap: int,
 
 def _transient(error: BaseException) -> bool:
     """Whether a remote read may succeed if tried again."""
-    if isinstance(error, RemoteReadError):
-        return False  # already retried RETRIES times
+    if isinstance(error, HsdataError):
+        return False  # a verdict on the answer (wrong length, Range ignored) or already retried RETRIES times
     if isinstance(error, FileNotFoundError) and error.__cause__ is not None:
         return _transient(error.__cause__)  # fsspec's HTTP info turns every failure into FileNotFoundError
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     status = getattr(error, "status", None) or getattr(error, "code", None)  # aiohttp; s3fs wraps botocore's
+    response = getattr(error, "response", None)
+    if status is None and isinstance(response, dict):  # botocore's ClientError (a missing key: 404, NoSuchKey)
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     if isinstance(status, int):
         return status >= 500 or status in (408, 429)
     return isinstance(error, (OSError, TimeoutError, ConnectionError)) or type(error).__module__.startswith(
@@ -358,25 +579,26 @@ class _FileCache:
     A descriptor is never closed while a read uses it. A forked child drops the parent's table (and lock).
     """
 
-    def __init__(self):
+    def __init__(self, opener: Callable[[str], int]):
+        self._open = opener  # key -> descriptor, checked (confined, a regular file) once per open
         self._reset()
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._fds: OrderedDict[str, list[int]] = OrderedDict()  # path -> [fd, readers using it]
+        self._fds: OrderedDict[str, list[int]] = OrderedDict()  # key -> [fd, readers using it]
         self._pid = os.getpid()
 
     @contextmanager
-    def use(self, path: str) -> Iterator[int]:
+    def use(self, key: str) -> Iterator[int]:
         if self._pid != os.getpid():
             for fd, _ in self._fds.values():
                 os.close(fd)  # the child's copies; the parent's stay open
             self._reset()
         with self._lock:
-            entry = self._fds.get(path)
+            entry = self._fds.get(key)
             if entry is None:
-                entry = self._fds[path] = [os.open(path, os.O_RDONLY), 0]
-            self._fds.move_to_end(path)
+                entry = self._fds[key] = [self._open(key), 0]
+            self._fds.move_to_end(key)
             entry[1] += 1
         try:
             yield entry[0]

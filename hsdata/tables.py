@@ -1,8 +1,10 @@
 """Write-once Parquet tables in a folder, each named ``<writer>.<seq>.<xxh3>.parquet`` after its own bytes.
 
 ``<writer>`` is the writing process's unique name, ``<seq>`` its counter (8 digits) and ``<xxh3>`` the xxh3-64
-of the file (16 hex digits), so a reader verifies every file before trusting it. Manifests and loss-mask tables
-are stored this way.
+of the file (16 hex digits), so a reader verifies every file before trusting it. Manifests, loss-mask tables and
+removals are stored this way. In their folders, a visible (not dot-hidden) entry that is not a file of this name
+is an error, never skipped; dot-hidden files are writes in progress. A table file is at most ``MAX_TABLE_BYTES``
+on disk and decoded.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from .errors import CorruptDataError
 from .storage import Storage
 
 FILE_NAME = re.compile(r"^(?P<writer>[A-Za-z0-9_-]+)\.(?P<seq>\d{8})\.(?P<hash>[0-9a-f]{16})\.parquet$")
+FILE_PATTERN = "<writer>.<8 digits>.<16 lower-case hex digits>.parquet (writer: letters, digits, '_', '-')"
+MAX_TABLE_BYTES = 4 << 30  # per file, on disk and decoded: a manifest row is ~100 bytes, a mask 1 byte per token
 
 
 def write(storage: Storage, folder: str, writer: str, seq: int, table: pa.Table) -> str:
@@ -30,8 +34,14 @@ def write(storage: Storage, folder: str, writer: str, seq: int, table: pa.Table)
 
 
 def list_files(storage: Storage, folder: str) -> list[str]:
-    """Names of the committed files in ``folder``, in (writer, seq) order; anything else is ignored."""
-    return [n for n in storage.list(folder) if FILE_NAME.match(n)]
+    """Names of the committed files in ``folder``, in (writer, seq) order. A visible name that does not fit
+    :data:`FILE_NAME` raises :class:`CorruptDataError` (a store must never look emptier than it is)."""
+    names = storage.list(folder)
+    for name in names:
+        if not FILE_NAME.match(name):
+            raise CorruptDataError(f"{storage.describe(f'{folder}/{name}')}: not a table file name; every visible "
+                                   f"file in {folder}/ must be named {FILE_PATTERN}")
+    return names
 
 
 def decode(name: str, data: bytes, schema: pa.Schema, where: str) -> pa.Table:
@@ -47,9 +57,14 @@ def decode(name: str, data: bytes, schema: pa.Schema, where: str) -> pa.Table:
         # async dataset scanner, whose threads outlive the call).
         copy = pa.BufferOutputStream()
         copy.write(data)
-        table = pq.ParquetFile(pa.BufferReader(copy.getvalue())).read(use_threads=False)
-    except (pa.ArrowException, OSError) as e:
-        raise CorruptDataError(f"{where}: unreadable Parquet: {e}") from None
+        file = pq.ParquetFile(pa.BufferReader(copy.getvalue()))
+        declared = sum(file.metadata.row_group(g).total_byte_size for g in range(file.metadata.num_row_groups))
+        table = file.read(use_threads=False) if 0 <= declared <= MAX_TABLE_BYTES else None
+    except (pa.ArrowException, OSError, MemoryError) as e:  # ArrowMemoryError is both
+        raise CorruptDataError(f"{where}: unreadable Parquet: {type(e).__name__}: {e}") from None
+    if table is None:
+        raise CorruptDataError(f"{where}: its footer declares {declared:,} bytes of data; at most "
+                               f"{MAX_TABLE_BYTES:,} are allowed")
     if not table.schema.equals(schema, check_metadata=False):
         raise CorruptDataError(f"{where}: schema differs from hsdata's:\n{table.schema}")
     return table
@@ -60,7 +75,7 @@ def load(storage: Storage, folder: str, schema: pa.Schema, check=None) -> pa.Tab
     names = list_files(storage, folder)
     keys = [f"{folder}/{n}" for n in names]
     tables = []
-    for name, key, data in zip(names, keys, storage.read_many(keys)):
+    for name, key, data in zip(names, keys, storage.read_many(keys, max_bytes=MAX_TABLE_BYTES)):
         table = decode(name, data, schema, storage.describe(key))
         if check is not None:
             check(name, table, storage.describe(key))
