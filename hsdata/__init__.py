@@ -3,8 +3,8 @@
 from .errors import (CorruptDataError, DuplicateSampleError, HsdataError, InvalidSampleError, MissingExtraError,
                      NotAStoreError, RemoteReadError, ServerCheckError, SpecMismatchError, UnsupportedFormatError,
                      WriterError)
-from .masks import add_loss_masks
 from .reader import Store, open
+from .repair import add_loss_masks, remove_loss_masks, remove_samples
 from .spec import FORMAT_VERSION, StoreSpec, TensorSpec
 from .writer import Writer, create
 
@@ -15,4 +15,5 @@ __all__ = [
     "MissingExtraError", "NotAStoreError", "RemoteReadError", "ServerCheckError", "SpecMismatchError", "Store",
     "StoreSpec", "TensorSpec",
     "UnsupportedFormatError", "Writer", "WriterError", "add_loss_masks", "create", "open",
+    "remove_loss_masks", "remove_samples",
 ]

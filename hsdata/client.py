@@ -4,8 +4,9 @@ Before anything is written, :func:`check_server` asks the server's ``/server_inf
 hook, into this store, with aux hidden states on. Each sample then goes to ``/generate`` as ``input_ids`` with
 ``max_new_tokens`` 0, ``rid`` = the hook's ``rid_prefix`` + its sample id (the hook stores only such requests)
 and a unique ``cache_salt`` (so no prefix is served from the radix cache); the hook stores its hidden states.
-The loss masks, which only the client can know, are added to the store before their requests are sent. The
-run ends when every sample it sent is committed, or reports the ones that are not.
+The loss masks, which only the client can know, are added to the store once their samples are committed (a
+resumed run adds those a stopped run did not). The run ends when every sample it sent is committed, or reports
+the ones that are not.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from . import manifest, masks
 from .conversations import Record, tokenize
 from .errors import NotAStoreError, ServerCheckError
-from .masks import add_loss_masks
 from .reader import open as open_store
+from .repair import add_loss_masks
+from .storage import Storage
 
 BATCH = 256  # records tokenized, masked and sent together
 RID_PREFIX = "hsdata:"  # the hook stores a request only if its rid starts with the hook config's rid_prefix
@@ -59,22 +62,22 @@ def extract_from_server(server: str, records: Iterable[Record], tokenizer: Any, 
     started = time.monotonic()
     rid_prefix = check_server(server, out)
     summary = Summary()
-    done = _committed(out, storage_options)
+    done, maskless = _committed(out, storage_options), _without_loss_mask(out, storage_options)
     sent: list[str] = []
     payloads_sent: dict[str, np.ndarray] = {}  # kept compact, to send again what a restarting server lost
+    loss_masks: dict[str, np.ndarray] = {}  # added once their samples are committed
     batch: list[Record] = []
 
     def send_batch(pool: ThreadPoolExecutor) -> None:
-        masks, payloads = {}, []
+        payloads = []
         for record in batch:
             try:
                 ids, mask = tokenize(tokenizer, record)
             except ValueError as e:
                 summary.failed[record.sample_id] = str(e)
                 continue
-            masks[record.sample_id] = mask
+            loss_masks[record.sample_id] = np.asarray(mask, dtype=np.uint8)
             payloads.append((record.sample_id, ids))
-        add_loss_masks(out, masks, storage_options=storage_options)  # before the samples can be committed
         futures = [(sid, ids, pool.submit(_generate, server, rid_prefix + sid, ids, retries, request_timeout_s))
                    for sid, ids in payloads]
         for sid, ids, future in futures:
@@ -94,6 +97,11 @@ def extract_from_server(server: str, records: Iterable[Record], tokenizer: Any, 
             summary.total += 1
             if record.sample_id in done:
                 summary.skipped += 1
+                if record.sample_id in maskless:  # committed by a run that stopped before adding its mask
+                    try:
+                        loss_masks[record.sample_id] = np.asarray(tokenize(tokenizer, record)[1], dtype=np.uint8)
+                    except ValueError as e:
+                        summary.failed[record.sample_id] = str(e)
                 if on_sent is not None:
                     on_sent(1)
                 continue
@@ -115,6 +123,8 @@ def extract_from_server(server: str, records: Iterable[Record], tokenizer: Any, 
                     pass
         missing = _wait_for_commits(out, storage_options, missing, commit_timeout_s)
     summary.committed = len(sent) - len(missing)
+    add_loss_masks(out, {sid: mask for sid, mask in loss_masks.items() if sid not in missing and
+                         sid not in summary.failed}, storage_options=storage_options)
     for sid in sorted(missing):
         summary.failed[sid] = (f"sent twice, but not committed within {commit_timeout_s:g} s (is the hook's "
                                f"store {out}? see the server's log)")
@@ -170,6 +180,17 @@ def _committed(out: str, storage_options: dict | None) -> set[str]:
         return set(open_store(out, storage_options=storage_options).sample_ids)
     except NotAStoreError:
         return set()
+
+
+def _without_loss_mask(out: str, storage_options: dict | None) -> set[str]:
+    """Committed samples with neither a stored nor an added loss mask."""
+    try:
+        store = open_store(out, storage_options=storage_options)
+    except NotAStoreError:
+        return set()
+    added = masks.load(Storage(out, storage_options))
+    return {sid for sid, own in zip(store.sample_ids, manifest.has_loss_mask(store.manifest))
+            if not own and sid not in added}
 
 
 def _wait_for_commits(out: str, storage_options: dict | None, sent: set[str], timeout_s: float) -> set[str]:

@@ -13,6 +13,11 @@ from .dtypes import DTYPES
 from .errors import InvalidSampleError
 from .spec import MAX_INPUT_ID, StoreSpec
 
+# Every manifest holds at most shard_tokens (<= 2**20) rows, so these keep its sample_id column under 1 GiB
+# (one Arrow string array) and a sample's meta far below Arrow's 2 GiB per value.
+MAX_SAMPLE_ID_BYTES = 1024
+MAX_META_BYTES = 1 << 20
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -35,13 +40,14 @@ class Sample:
 def prepare(spec: StoreSpec, sample_id: Any, *, input_ids: Any, loss_mask: Any, aux_hidden_states: Any,
             hidden_states: Any, meta: Any = None) -> Sample:
     """Validate one sample against ``spec``; raise :class:`InvalidSampleError` naming the sample and the problem."""
-    if not isinstance(sample_id, str) or not sample_id:
-        raise InvalidSampleError(f"sample_id must be a non-empty string, got {sample_id!r}")
+    check_sample_id(sample_id)
 
     def fail(message: str) -> InvalidSampleError:
         return InvalidSampleError(f"sample {sample_id!r}: {message}")
 
-    ids = _integers(input_ids, "input_ids", fail)
+    ids = integers(input_ids, "input_ids", fail)
+    if ids.dtype == np.bool_:
+        raise fail("input_ids must hold integers, got dtype bool")
     if ids.ndim != 1:
         raise fail(f"input_ids must have shape [T], got {list(ids.shape)}")
     num_tokens = len(ids)
@@ -53,7 +59,7 @@ def prepare(spec: StoreSpec, sample_id: Any, *, input_ids: Any, loss_mask: Any, 
         bad = lo if lo < 0 else hi
         raise fail(f"input_ids holds {bad}, outside [0, {limit}]" + ("" if spec.vocab_size is None else " (vocab_size)"))
 
-    mask = np.zeros(num_tokens, np.uint8) if loss_mask is None else _integers(loss_mask, "loss_mask", fail)
+    mask = np.zeros(num_tokens, np.uint8) if loss_mask is None else integers(loss_mask, "loss_mask", fail)
     if mask.shape != (num_tokens,):
         raise fail(f"loss_mask must have shape [{num_tokens}] like input_ids, got {list(mask.shape)}")
     if mask.dtype != np.bool_ and ((mask != 0) & (mask != 1)).any():
@@ -75,6 +81,8 @@ def prepare(spec: StoreSpec, sample_id: Any, *, input_ids: Any, loss_mask: Any, 
             meta = json.dumps(meta, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise fail(f"meta must be JSON-serializable: {e}") from None
+        if len(meta) > MAX_META_BYTES:  # ASCII: json.dumps escapes the rest
+            raise fail(f"meta is {len(meta):,} bytes as JSON, more than the {MAX_META_BYTES:,} a sample may carry")
     arrays = {
         "input_ids": ids.astype(np.int32),
         "loss_mask": mask.astype(np.uint8, copy=False),
@@ -84,8 +92,28 @@ def prepare(spec: StoreSpec, sample_id: Any, *, input_ids: Any, loss_mask: Any, 
     return Sample(sample_id, arrays, meta, has_loss_mask=loss_mask is not None)
 
 
-def _integers(value: Any, name: str, fail) -> np.ndarray:
-    array = _host_array(value) if isinstance(value, torch.Tensor) else np.asarray(value)
+def check_sample_id(sample_id: Any) -> None:
+    """Raise :class:`InvalidSampleError` unless ``sample_id`` is an id a manifest can hold: a non-empty string
+    of at most ``MAX_SAMPLE_ID_BYTES`` bytes of UTF-8."""
+    if not isinstance(sample_id, str) or not sample_id:
+        raise InvalidSampleError(f"sample_id must be a non-empty string, got {sample_id!r}")
+    try:
+        encoded = sample_id.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidSampleError(f"sample {sample_id!r}: the id is not valid UTF-8 text ({e.reason} at "
+                                 f"position {e.start})") from None
+    if len(encoded) > MAX_SAMPLE_ID_BYTES:
+        raise InvalidSampleError(f"sample {sample_id[:40]!r}...: the id is {len(encoded):,} bytes of UTF-8, more "
+                                 f"than the {MAX_SAMPLE_ID_BYTES:,} allowed")
+
+
+def integers(value: Any, name: str, fail) -> np.ndarray:
+    """An integer (or bool) torch tensor, numpy array or sequence as a host numpy array; ``fail(message)`` makes
+    the error to raise."""
+    if isinstance(value, torch.Tensor):
+        array = _host_array(value, name, fail)
+    else:
+        array = _numpy(value, name, fail)
     if array.dtype.kind not in "iub":
         raise fail(f"{name} must hold integers, got dtype {_dtype_name(value, array)}")
     return array
@@ -95,8 +123,10 @@ def _hidden(spec: StoreSpec, value: Any, name: str, fail) -> np.ndarray:
     """A hidden-state torch tensor or numpy array (ml_dtypes for bfloat16) as the stored array: without copying
     when it is in the stored dtype, converted (``torch.Tensor.to``, round to nearest even) from the compute dtype."""
     stored, compute = DTYPES[spec.dtype], DTYPES[spec.compute_dtype or spec.dtype]
-    if not isinstance(value, torch.Tensor):
-        value = np.asarray(value)
+    if isinstance(value, torch.Tensor):
+        value = _dense(value, name, fail)
+    else:
+        value = _numpy(value, name, fail)
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
     got = str(value.dtype).removeprefix("torch.")
@@ -109,14 +139,34 @@ def _hidden(spec: StoreSpec, value: Any, name: str, fail) -> np.ndarray:
         value = torch.from_numpy(np.require(value, requirements="CW"))  # W: torch wants a writable array
     if got != stored.name:
         value = value.to(stored.torch)  # on the tensor's device, before it is copied to the host
-    return _host_array(value.view(stored.stored_torch))
+    return _host_array(value.view(stored.stored_torch), name, fail)
 
 
-def _host_array(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach()
+def _dense(tensor: torch.Tensor, name: str, fail) -> torch.Tensor:
+    """``tensor`` with its data resolved (a negated view), or ``fail`` if it has no dense data to read."""
+    if tensor.layout != torch.strided or tensor.is_nested:
+        layout = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+        raise fail(f"{name} is a {layout} tensor: hsdata takes dense (strided) tensors (use .to_dense())")
+    if tensor.device.type == "meta":
+        raise fail(f"{name} is on the meta device: it has no data")
+    return tensor.resolve_neg()
+
+
+def _host_array(tensor: torch.Tensor, name: str, fail) -> np.ndarray:
+    tensor = _dense(tensor, name, fail).detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    return tensor.contiguous().numpy()
+    try:
+        return tensor.contiguous().numpy()
+    except (RuntimeError, TypeError) as e:  # dtypes numpy lacks (quantized, ...), tensor subclasses
+        raise fail(f"{name} ({tensor.dtype}) cannot be read as a host array: {e}") from None
+
+
+def _numpy(value: Any, name: str, fail) -> np.ndarray:
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise fail(f"{name} is not an array: {e}") from None
 
 
 def _dtype_name(value: Any, array: np.ndarray) -> str:

@@ -3,7 +3,7 @@
 Store files are never rewritten. To repair a store (a sample that should not be there, a wrong added loss
 mask), a removal names exactly what it takes out: a manifest row by ``(sample_id, part, token_offset)``, an
 added mask by ``(sample_id, mask_file)``. Readers, ``validate`` and ``gc`` apply every removal before anything
-else; what a removal names stays on disk (its shard bytes are not reclaimed). A sample id whose rows are all
+else; what a removal names stays on disk until ``hsdata gc`` finds shards no remaining row needs. A sample id whose rows are all
 removed may be committed again; a removed mask may be replaced by adding a new one.
 """
 

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
 
-from . import inputs, manifest
+from . import inputs, manifest, removals
 from .errors import DuplicateSampleError, WriterError
 from .layout import (MANIFESTS, PART_ATTRIBUTE, PARTS, ROOT_METADATA, SPEC_ATTRIBUTE, array_document, array_node,
                      encode_json, group_document, load_spec, metadata_key, part_node, shard_key)
@@ -48,7 +48,7 @@ def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None 
     spec = load_spec(storage)
     explicit = {name for name, value in (("shard_tokens", shard_tokens), ("chunk_tokens", chunk_tokens)) if value}
     spec.check_joinable(requested, explicit=explicit)
-    committed = manifest.load(storage).column("sample_id").to_pylist()
+    committed = removals.load(storage).drop_rows(manifest.load(storage)).column("sample_id").to_pylist()
     return Writer(storage, spec, committed_ids=committed, max_pending_bytes=max_pending_bytes)
 
 
