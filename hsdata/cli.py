@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-from datetime import datetime
 
 import numpy as np
 
@@ -17,6 +16,7 @@ from .conversations import read_jsonl
 from .dtypes import HIDDEN_DTYPES, check_pair
 from .errors import HsdataError
 from .progress import Progress, human_bytes, status
+from .repair import remove_loss_masks, remove_samples
 from .reader import Store, open as open_store
 from .show import run as run_show
 from .storage import Storage
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="check N random samples, or this fraction of them, instead of all")
     check.add_argument("--seed", type=int, default=0, help="seed of --sample (0)")
     check.add_argument("--check-finite", action="store_true", help="also flag samples holding NaN or Inf")
+    check.add_argument("--verbose", action="store_true", help="list the samples each problem affects")
     _add_storage_options(check)
 
     gc = commands.add_parser("gc", help="list (and with --yes delete) what crashed writers left uncommitted")
@@ -49,6 +50,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="only files not modified for this long, so live writers keep theirs (3600)")
     gc.add_argument("--json", action="store_true", help="print the files deleted (or to delete) and kept as JSON")
     _add_storage_options(gc)
+
+    remove = commands.add_parser("remove", help="repair: take samples (or their added loss masks) out of a store "
+                                 "without rewriting a file (docs/format.md 6b)")
+    remove.add_argument("store", help="path or fsspec URL of the store")
+    remove.add_argument("sample_ids", nargs="+", metavar="SAMPLE_ID", help="the samples to take out")
+    remove.add_argument("--loss-masks", action="store_true",
+                        help="take out only their added loss masks, so correct ones can be added")
+    remove.add_argument("--reason", help="free text recorded with the removal")
+    remove.add_argument("--json", action="store_true", help="print the removal file written as JSON")
+    _add_storage_options(remove)
 
     show = commands.add_parser("show", help="one sample: tensors, per-layer norms and statistics, loss-masked text")
     show.add_argument("store", help="path or fsspec URL of the store")
@@ -95,14 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # report it with the subcommand's own usage, not the top-level one
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        return {"info": _info, "validate": _validate, "gc": _gc, "extract": _extract, "show": _show}[args.command](args)
-    except (HsdataError, OSError, ValueError) as e:
-        print(f"hsdata {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return {"info": _info, "validate": _validate, "gc": _gc, "extract": _extract, "show": _show,
+                "remove": _remove}[args.command](args)
+    except (HsdataError, OSError, ValueError, MemoryError) as e:
+        message = " ".join(str(e).split())
+        print(f"hsdata {args.command}: error: {message}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(json.dumps({"error": {"type": type(e).__name__, "message": message}}, indent=2))
         return 2
 
 
-EXIT_CODES = ("exit codes: 0 success; 1 problems found (validate) or failed samples (extract); "
-              "2 bad arguments or not a readable store (one line on stderr)")
+EXIT_CODES = ("exit codes: 0 success; 1 problems found (validate) or failed samples (extract); 2 bad arguments, "
+              "not a readable store, bad store contents, or gc refusing to delete anything because what is "
+              "committed is unclear (one line on stderr; with --json also {\"error\": {\"type\": ..., "
+              "\"message\": ...}} on stdout)")
 
 
 def _positive_int(text: str) -> int:
@@ -204,7 +221,7 @@ def summarize(store: Store) -> dict:
         "samples": len(store),
         "tokens": store.num_tokens,
         "payload_bytes": store.num_tokens * spec.token_nbytes,
-        "disk_bytes": store._storage.fs.du(store._storage.root, total=True),
+        "disk_bytes": store._storage.disk_usage(),
         "parts": len(set(store.manifest.column("part").to_pylist())),
         "shard_tokens": spec.shard_tokens,
         "chunk_tokens": {t.name: t.chunk_tokens for t in spec.tensors},
@@ -249,6 +266,9 @@ def _validate(args: argparse.Namespace) -> int:
         return 0 if report.ok else 1
     for problem in report.problems:
         print(problem.line())
+        if args.verbose and len(problem.samples) > 1:
+            for sample_id in problem.samples:
+                print(f"    sample {sample_id!r}")
     if report.leftovers:
         print(f"note: {len(report.leftovers)} uncommitted file(s) left by writers that stopped or are still "
               f"running (not an error; `hsdata gc {args.store}` lists them)")
@@ -266,12 +286,12 @@ def _gc(args: argparse.Namespace) -> int:
     now = time.time()
     old, young = [], []
     for key in keys:
-        (old if now - _mtime(storage.fs.info(storage.path(key))) >= args.older_than else young).append(key)
+        (old if now - storage.modified(key) >= args.older_than else young).append(key)
     for key in old:
         if not args.json:
             print(("deleting " if args.yes else "") + key)
         if args.yes:
-            storage.fs.rm_file(storage.path(key))
+            storage.delete(key)
     if args.json:
         print(json.dumps({"deleted" if args.yes else "to_delete": old, "kept": young,
                           "older_than": _rounded(args.older_than)}, indent=2))
@@ -282,6 +302,18 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"{len(old)} uncommitted file(s); run again with --yes to delete them")
     elif not old:
         print("nothing to delete")
+    return 0
+
+
+def _remove(args: argparse.Namespace) -> int:
+    remove = remove_loss_masks if args.loss_masks else remove_samples
+    key = remove(args.store, args.sample_ids, reason=args.reason,
+                 storage_options=_storage_options(args.storage_option))
+    what = "the added loss masks of" if args.loss_masks else "the rows of"
+    if args.json:
+        print(json.dumps({"removal": key, "sample_ids": args.sample_ids, "loss_masks_only": args.loss_masks}, indent=2))
+    else:
+        print(f"removed {what} {len(args.sample_ids)} sample(s): {key}")
     return 0
 
 
@@ -379,21 +411,6 @@ def _load_tokenizer(name: str | None):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name)
-
-
-def _mtime(info: dict) -> float:
-    """Modification time of an fsspec ``info`` entry, across filesystems' spellings."""
-    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        value = info.get(name)
-        if value is None:
-            continue
-        if hasattr(value, "timestamp"):
-            return value.timestamp()
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
-    return 0.0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import xxhash
 
 from . import tables
@@ -17,6 +18,8 @@ from .errors import CorruptDataError
 from .layout import MANIFESTS
 from .spec import TENSOR_NAMES
 from .storage import Storage
+
+MAX_TOKENS = 2**48  # bound on token_offset + num_tokens: sums of many rows stay exact in int64 (section 10)
 
 
 def hash_column(tensor: str) -> str:
@@ -76,22 +79,57 @@ def list_files(storage: Storage) -> list[str]:
 
 
 def decode(name: str, data: bytes, where: str) -> pa.Table:
-    """Verify one manifest file against its name and schema; returns its rows."""
+    """Verify one manifest file against its name and schema; returns its rows (bounds not checked)."""
     table = tables.decode(name, data, SCHEMA, where)
-    _check_part(name, table, where)
+    check_part(name, table, where)
     return table
 
 
 def load(storage: Storage) -> pa.Table:
-    """All committed rows of the store, verified, in manifest-name order then row order."""
-    return tables.load(storage, MANIFESTS, SCHEMA, _check_part)
+    """All committed rows of the store, verified (also each row's bounds), in manifest-name order then row order."""
+    return tables.load(storage, MANIFESTS, SCHEMA, _check)
 
 
-def _check_part(name: str, table: pa.Table, where: str) -> None:
+def check_part(name: str, table: pa.Table, where: str) -> None:
     parts = table.column("part").unique().to_pylist()
     writer = tables.FILE_NAME.match(name)["writer"]
     if parts not in ([], [writer]):
         raise CorruptDataError(f"{where}: manifest rows name parts {parts}, file name says {writer!r}")
+
+
+def out_of_bounds(table: pa.Table) -> np.ndarray:
+    """Positions of rows whose token range cannot be: token_offset < 0, num_tokens < 1, or an end beyond
+    :data:`MAX_TOKENS`."""
+    offset, length = table.column("token_offset").to_numpy(), table.column("num_tokens").to_numpy()
+    room = MAX_TOKENS - np.clip(offset, 0, MAX_TOKENS)
+    return np.flatnonzero((offset < 0) | (offset > MAX_TOKENS) | (length < 1) | (length > room))
+
+
+def bounds_message(token_offset: int, num_tokens: int) -> str:
+    return (f"token_offset {token_offset}, num_tokens {num_tokens}: a row needs token_offset >= 0, "
+            f"num_tokens >= 1 and token_offset + num_tokens <= 2**48")
+
+
+def _check(name: str, table: pa.Table, where: str) -> None:
+    check_part(name, table, where)
+    bad = out_of_bounds(table)
+    if len(bad):
+        row = table.slice(int(bad[0]), 1).to_pylist()[0]
+        more = f" (and {len(bad) - 1} more row(s))" if len(bad) > 1 else ""
+        raise CorruptDataError(f"{where}: row {int(bad[0])} (sample {row['sample_id']!r}): "
+                               f"{bounds_message(row['token_offset'], row['num_tokens'])}{more}")
+
+
+def winners(rows: pa.Table) -> np.ndarray:
+    """Positions (ascending) of the rows that serve their sample id: of rows sharing an id (writers raced on it),
+    the earliest ``created`` wins, ties going to the earlier row (files in name order, rows in file order)."""
+    ids = rows.column("sample_id")
+    if pc.count_distinct(ids).as_py() == len(ids):
+        return np.arange(len(ids))
+    created = rows.column("created").cast(pa.int64()).to_numpy()
+    by_time = np.lexsort((np.arange(len(ids)), created))
+    _, first = np.unique(ids.to_numpy(zero_copy_only=False)[by_time], return_index=True)
+    return np.sort(by_time[first])
 
 
 def now() -> datetime:

@@ -10,14 +10,13 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
-from . import manifest, masks, sampling
+from . import manifest, masks, removals, sampling
 from .errors import CorruptDataError
-from .layout import load_spec, shard_key
+from .layout import array_node, load_spec, metadata_key, read_document, shard_key
 from .pool import ProcessLocalPool
-from .shard import CRC_NBYTES, ShardRange, token_ranges
+from .shard import CRC_NBYTES, ShardRange, chunks_per_shard, encoded_chunk_nbytes, index_nbytes, token_ranges
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
 from .buffers import BufferPool
 from .cache import RangeCache
@@ -48,8 +47,9 @@ def open(url: str, *, storage_options: dict | None = None, verify: bool = True, 
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir is not None else None
     storage = Storage(url, storage_options, max_requests=concurrency or REMOTE_CONCURRENCY, cache=cache)
-    return Store(storage, load_spec(storage), manifest.load(storage), masks.load(storage), verify=verify,
-                 concurrency=concurrency, range_bytes=range_bytes)
+    rows = removals.load(storage).drop_rows(manifest.load(storage))
+    return Store(storage, load_spec(storage), rows, masks.load(storage), verify=verify, concurrency=concurrency,
+                 range_bytes=range_bytes)
 
 
 class Store:
@@ -67,7 +67,7 @@ class Store:
         self._pool = ProcessLocalPool(concurrency, "hsdata-read")
         self._buffers = BufferPool(IDLE_BUFFER_BYTES)
         self._range_bytes = range_bytes
-        self.manifest = _drop_duplicates(rows, storage.url)
+        self.manifest = _winners(rows, storage.url)
         self._ids: list[str] = self.manifest.column("sample_id").to_pylist()
         self._index: dict[str, int] | None = None
         parts = self.manifest.column("part").combine_chunks().dictionary_encode()
@@ -78,6 +78,9 @@ class Store:
         self._hashes = manifest.row_hashes(self.manifest)
         self._has_loss_mask = manifest.has_loss_mask(self.manifest)
         self._added_masks = added_masks
+        self._array_tokens = _array_tokens(storage, spec, self._part_names)  # read now: a later epoch may read
+        # through the cache alone
+        self._shard_sizes: dict[str, int] = {}  # local shard key -> file size, read at first use (write-once files)
 
     @property
     def url(self) -> str:
@@ -89,7 +92,7 @@ class Store:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.lengths.sum())
+        return sum(self.lengths.tolist())  # Python ints: exact however many rows
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -184,6 +187,8 @@ class Store:
         part, offset, length = self.location(i)
         with_mask = self._has_loss_mask[i]
         tensors = [self.spec.tensor(n) for n in names if n != "loss_mask" or with_mask]
+        for tensor in tensors:
+            self._check_extent(self._ids[i], part, offset, length, tensor)
         if shared:
             outputs = [torch.empty(length * t.row_nbytes, dtype=torch.uint8).share_memory_() for t in tensors]
         else:
@@ -209,6 +214,8 @@ class Store:
             if added is not None and len(added) != self.lengths[i]:
                 raise CorruptDataError(f"sample {sample_id!r}: its added loss mask has {len(added)} tokens, "
                                        f"the sample {self.lengths[i]}")
+            if added is not None and np.frombuffer(added, np.uint8).max() > 1:
+                raise CorruptDataError(f"sample {sample_id!r}: its added loss mask holds values other than 0 and 1")
             out["loss_mask"] = None if added is None else torch.frombuffer(bytearray(added), dtype=torch.uint8)
         for tensor, output, hasher in zip(plan.tensors, plan.outputs, plan.hashers):
             if self.verify:
@@ -242,6 +249,35 @@ class Store:
             finally:
                 for future in futures:
                     future.cancel()
+
+    def _check_extent(self, sample_id: str, part: str, offset: int, length: int, tensor: TensorSpec) -> None:
+        """Before anything is allocated: the sample's rows lie within its part's array (its ``zarr.json``
+        ``shape[0]``), and (locally) each shard file they touch exists and is long enough to hold them."""
+        end, storage = offset + length, self._storage
+        array_key = metadata_key(array_node(part, tensor))
+        tokens = self._array_tokens[array_key]
+        if isinstance(tokens, str):
+            raise CorruptDataError(f"sample {sample_id!r}: {tokens}")
+        if end > tokens:
+            raise CorruptDataError(f"sample {sample_id!r}: tokens [{offset}, {end}) lie beyond the {tokens} tokens "
+                                   f"of its array ({storage.describe(array_key)})")
+        if not storage.is_local:
+            return
+        st, ct = self.spec.shard_tokens, tensor.chunk_tokens
+        for shard in range(offset // st, (end - 1) // st + 1):  # stops at the first missing or short file
+            key = shard_key(part, tensor, shard)
+            local_end = min(end, (shard + 1) * st) - shard * st
+            need = -(-local_end // ct) * encoded_chunk_nbytes(tensor) + index_nbytes(chunks_per_shard(self.spec, tensor))
+            size = self._shard_sizes.get(key)
+            if size is None:
+                try:
+                    size = self._shard_sizes[key] = storage.size(key)
+                except FileNotFoundError:
+                    raise CorruptDataError(f"sample {sample_id!r}: shard file missing: {storage.describe(key)}") \
+                        from None
+            if size < need:
+                raise CorruptDataError(f"sample {sample_id!r}: {storage.describe(key)} is {size} bytes, the sample "
+                                       f"needs {need} (truncated?)")
 
     def _pread(self, read: _Read) -> None:
         iov, position = _iov(read), read.range.file_start
@@ -313,15 +349,29 @@ def _check_fields(fields: Iterable[str] | None) -> tuple[str, ...]:
     return names
 
 
-def _drop_duplicates(rows: pa.Table, url: str) -> pa.Table:
-    """Keep one row per sample id, the earliest committed; duplicates come from writers racing on one id."""
-    ids = rows.column("sample_id")
-    if pc.count_distinct(ids).as_py() == len(ids):
+def _winners(rows: pa.Table, url: str) -> pa.Table:
+    """One row per sample id (:func:`manifest.winners`); duplicates come from writers racing on one id."""
+    keep = manifest.winners(rows)
+    if len(keep) == len(rows):
         return rows
-    created = rows.column("created").cast(pa.int64()).to_numpy()
-    by_time = np.lexsort((np.arange(len(ids)), created))
-    _, first = np.unique(ids.to_numpy(zero_copy_only=False)[by_time], return_index=True)
-    keep = np.sort(by_time[first])
-    warnings.warn(f"{url}: {len(ids) - len(keep)} duplicate sample rows ignored (the earliest commit of each id "
+    warnings.warn(f"{url}: {len(rows) - len(keep)} duplicate sample rows ignored (the earliest commit of each id "
                   "wins); run `hsdata validate` for details", stacklevel=3)
     return rows.take(keep)
+
+
+def _array_tokens(storage: Storage, spec: StoreSpec, parts: list[str]) -> dict[str, int | str]:
+    """``shape[0]`` of each array's ``zarr.json`` (the tokens its part holds) by key; what is wrong with it instead
+    where it cannot be read (raised when a sample of that part is read)."""
+    out: dict[str, int | str] = {}
+    for key in (metadata_key(array_node(part, tensor)) for part in parts for tensor in spec.tensors):
+        try:
+            shape = read_document(storage, key).get("shape")
+        except FileNotFoundError:
+            out[key] = f"{storage.describe(key)}: array metadata missing"
+            continue
+        except CorruptDataError as e:
+            out[key] = str(e)
+            continue
+        valid = isinstance(shape, list) and shape and type(shape[0]) is int and shape[0] >= 0
+        out[key] = shape[0] if valid else f"{storage.describe(key)}: shape {shape!r} does not start with a token count"
+    return out

@@ -1,52 +1,72 @@
-"""Auditing a store: metadata, manifests, every checksum, and what crashed writers left behind.
+"""Auditing a store: metadata, manifests, every checksum and value range, and what crashed writers left behind.
 
 ``validate`` streams the committed chunks of each (part, tensor) in file order, checking every shard index and
-chunk crc32c, and recomputes every sample's xxh3 from the same bytes, so each byte is read once.
+chunk crc32c, and recomputes every sample's xxh3 and value ranges from the same bytes, so each byte is read once.
+Rows are bounded (manifest limits, then the array's shape) and only shard files that exist are read, so a hostile
+store costs no more than a valid one of the same file sizes. One problem is reported per missing or damaged file,
+with the samples it affects.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import threading
+from bisect import bisect_left, bisect_right
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from typing import Callable, Iterator
 
 import numpy as np
+import pyarrow as pa
 from crc32c import crc32c
 
-from . import manifest, masks, tables
+from . import manifest, masks, removals, tables
 from .errors import CorruptDataError
-from .masks import MASKS
 from .layout import (MANIFESTS, PARTS, array_document, array_node, group_document, load_spec, metadata_key,
-                     part_node, shard_key)
+                     part_node, read_document, shard_key)
+from .masks import MASKS
+from .removals import REMOVALS
 from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, encode_index, encoded_chunk_nbytes, index_nbytes,
                     token_ranges)
-from .spec import HIDDEN_TENSORS, StoreSpec, TensorSpec
+from .spec import HIDDEN_TENSORS, TENSOR_NAMES, StoreSpec, TensorSpec
 from .storage import Storage
 
 BLOCK_BYTES = 64 << 20  # one read while streaming a shard
+REFUSES_GC = ("manifest", "bounds")  # problems that leave what is committed unknown: gc deletes nothing
+_TENSOR = "|".join(TENSOR_NAMES)
+_SHARD = re.compile(rf"^{PARTS}/(?P<part>[A-Za-z0-9_-]+)/(?P<tensor>{_TENSOR})/c/(?P<shard>0|[1-9][0-9]*)(?P<inner>/0)?$")
+_NODE = re.compile(rf"^{PARTS}/(?P<part>[A-Za-z0-9_-]+)(/({_TENSOR}))?/zarr\.json$")
+_PARTIAL = re.compile(r"(^|/)\.[^/]+\.partial$")
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with a store, with everything known about where it is."""
+    """One thing wrong with a store, with everything known about where it is and the samples it affects."""
 
-    kind: str  # manifest | duplicate | metadata | bounds | missing | index | checksum | non_finite | unreadable
+    kind: str  # manifest | duplicate | metadata | bounds | missing | index | checksum | values | non_finite | unreadable
     message: str
-    sample_id: str | None = None
+    sample_id: str | None = None  # the one sample affected, if exactly one
     part: str | None = None
     tensor: str | None = None
     key: str | None = None
     byte_range: tuple[int, int] | None = None
+    samples: tuple[str, ...] = ()  # every sample affected
 
     def line(self) -> str:
         where = [f"sample {self.sample_id!r}" if self.sample_id is not None else None,
                  f"part {self.part}" if self.part else None, f"tensor {self.tensor}" if self.tensor else None,
                  self.key and (self.key + (f" bytes [{self.byte_range[0]}, {self.byte_range[1]})"
                                            if self.byte_range else ""))]
-        return f"{self.kind}: " + ", ".join(w for w in where if w) + (": " if any(where) else "") + self.message
+        count = f" ({len(self.samples):,} samples)" if len(self.samples) > 1 else ""
+        return f"{self.kind}: " + ", ".join(w for w in where if w) + (": " if any(where) else "") + self.message + count
+
+
+def _problem(kind: str, message: str, samples=(), **where) -> Problem:
+    samples = tuple(samples)
+    return Problem(kind, message, sample_id=samples[0] if len(samples) == 1 else None, samples=samples, **where)
 
 
 @dataclass
@@ -79,6 +99,12 @@ class _Row:
         return self.offset + self.length
 
 
+@dataclass
+class _Rows:
+    served: dict[str, list[_Row]]  # by part, sorted by offset: the rows readers serve (removals and winner rule)
+    live: dict[str, list[tuple[int, int]]]  # by part: token ranges of every row not removed (gc keeps their shards)
+
+
 def validate(url: str, *, storage_options: dict | None = None, workers: int = 4, sample: float | None = None,
              check_finite: bool = False, seed: int = 0,
              progress: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None) -> Report:
@@ -90,23 +116,34 @@ def validate(url: str, *, storage_options: dict | None = None, workers: int = 4,
     storage = Storage(url, storage_options)
     spec = load_spec(storage)
     report = Report(storage.url)
-    rows_by_part = _load_rows(storage, report)
-    report.samples = sum(len(rows) for rows in rows_by_part.values())
-    for part, rows in rows_by_part.items():
-        _check_metadata(storage, spec, part, rows, report)
-    _check_added_masks(storage, rows_by_part, report)
-    report.leftovers = _leftovers(storage, spec, rows_by_part)
-    selected = _select(rows_by_part, sample, seed)
-    report.samples_checked = sum(len(rows) for rows in selected.values())
-    streams = [(part, tensor, rows) for part, rows in selected.items() for tensor in spec.tensors if rows]
+    rows = _load_rows(storage, report)
+    report.samples = sum(len(r) for r in rows.served.values())
+    tokens = {part: _check_metadata(storage, spec, part, part_rows, report)
+              for part, part_rows in rows.served.items()}
+    _check_added_masks(storage, rows.served, report)
+    try:
+        found = _find(storage)
+    except (CorruptDataError, OSError) as e:
+        report.problems.append(Problem("unreadable", f"cannot list the store's files, so no shard is checked: {e}"))
+        return report
+    report.leftovers = _leftovers(spec, rows, found)
+    present = _present_shards(spec, found)
+    selected = _select(rows.served, sample, seed)
+    report.samples_checked = sum(len(r) for r in selected.values())
+    streams = []
+    for part, part_rows in selected.items():
+        for tensor in spec.tensors:
+            chosen = [r for r in part_rows if r.end <= tokens[part][tensor.name]]  # the rest: bounds problems
+            if chosen:
+                streams.append((part, tensor, chosen, present.get((part, tensor.name), [])))
     streams.sort(key=lambda s: -sum(r.length for r in s[2]) * s[1].row_nbytes)  # biggest first
     if on_total is not None:
-        on_total(sum(_chunk_bytes(spec, t, rows) for _, t, rows in streams))
+        on_total(sum(_chunk_bytes(spec, t, rows, shards) for _, t, rows, shards in streams))
     lock = threading.Lock()
 
     def check(stream) -> None:
-        part, tensor, rows = stream
-        checker = _StreamCheck(storage, spec, part, tensor, rows, check_finite, progress)
+        part, tensor, stream_rows, shards = stream
+        checker = _StreamCheck(storage, spec, part, tensor, stream_rows, shards, check_finite, progress)
         checker.run()
         with lock:
             report.problems.extend(checker.problems)
@@ -118,60 +155,98 @@ def validate(url: str, *, storage_options: dict | None = None, workers: int = 4,
 
 
 def leftovers(url: str, *, storage_options: dict | None = None) -> list[str]:
-    """Keys that no committed manifest needs: uncommitted shards, parts and in-progress (``.partial``) files.
+    """Keys no committed sample needs, each of a name the layout gives (uncommitted shards and parts, in-progress
+    ``.partial`` files): what ``gc`` may delete. Never a manifest, mask or removal.
 
-    Raises :class:`CorruptDataError` if a manifest cannot be read, since then what is needed is unknown.
+    Raises :class:`CorruptDataError` when what is committed is unknown (an unreadable or unknown-named manifest,
+    a row out of bounds): then nothing may be deleted.
     """
     storage = Storage(url, storage_options)
     spec = load_spec(storage)
     report = Report(storage.url)
-    rows_by_part = _load_rows(storage, report)
-    if any(p.kind == "manifest" for p in report.problems):
-        raise CorruptDataError(f"{storage.url}: unreadable manifests; run `hsdata validate` first")
-    return _leftovers(storage, spec, rows_by_part)
+    rows = _load_rows(storage, report)
+    for part, part_rows in rows.served.items():
+        _check_metadata(storage, spec, part, part_rows, report)
+    refusing = [p for p in report.problems if p.kind in REFUSES_GC]
+    if refusing:
+        more = f" (and {len(refusing) - 1} more)" if len(refusing) > 1 else ""
+        raise CorruptDataError(f"{storage.url}: not cleaning up, what is committed is unclear: {refusing[0].line()}"
+                               f"{more}; run `hsdata validate` first")
+    return _leftovers(spec, rows, _find(storage))
 
 
-def _load_rows(storage: Storage, report: Report) -> dict[str, list[_Row]]:
-    """Every committed row by part, sorted by offset; unreadable manifests and duplicate ids become problems."""
-    names = manifest.list_files(storage)
-    by_part: dict[str, list[_Row]] = {}
-    seen: dict[str, str] = {}
+def _load_rows(storage: Storage, report: Report) -> _Rows:
+    """Every committed row, removals applied; unreadable or unknown-named manifests, rows out of bounds and
+    duplicate ids (the reader's winner rule decides which row is served) become problems."""
+    try:
+        names = storage.list(MANIFESTS)
+    except (CorruptDataError, OSError) as e:
+        report.problems.append(Problem("manifest", f"cannot list the manifests: {e}", key=MANIFESTS))
+        names = []
+    decoded = []
     for name in names:
         key = f"{MANIFESTS}/{name}"
+        if not tables.FILE_NAME.match(name):
+            report.problems.append(Problem("manifest", "not a manifest name (<part>.<seq>.<xxh3 in lowercase "
+                                           "hex>.parquet): readers skip it", key=key))
+            continue
         try:
             table = manifest.decode(name, storage.read_bytes(key), storage.describe(key))
         except (CorruptDataError, OSError) as e:
             report.problems.append(Problem("manifest", str(e), key=key))
             continue
-        hashes = manifest.row_hashes(table)
-        hashes["loss_mask"] = [h if ok else None for h, ok in zip(hashes["loss_mask"], manifest.has_loss_mask(table))]
-        columns = [table.column(c).to_pylist() for c in ("sample_id", "part", "token_offset", "num_tokens")]
-        for i, (sample_id, part, offset, length) in enumerate(zip(*columns)):
-            if sample_id in seen:
-                report.problems.append(Problem("duplicate", f"also committed in part {seen[sample_id]}",
-                                               sample_id=sample_id, part=part, key=key))
-                continue
-            seen[sample_id] = part
-            if offset < 0 or length < 1:
-                report.problems.append(Problem("bounds", f"token_offset {offset}, num_tokens {length}",
-                                               sample_id=sample_id, part=part, key=key))
-                continue
-            row_hashes = {t: None if h[i] is None else int(h[i]) for t, h in hashes.items()}
-            by_part.setdefault(part, []).append(_Row(sample_id, offset, length, row_hashes))
-    for part, rows in by_part.items():
-        rows.sort(key=lambda r: r.offset)
-        for before, after in zip(rows, rows[1:]):
+        decoded.append(table.append_column("manifest", pa.array([key] * len(table), pa.string())))
+    rows = pa.concat_tables(decoded) if decoded else manifest.SCHEMA.append(
+        pa.field("manifest", pa.string())).empty_table()
+    try:
+        rows = removals.load(storage).drop_rows(rows)
+    except (CorruptDataError, OSError) as e:
+        report.problems.append(Problem("manifest", f"removals not applied: {e}", key=REMOVALS))
+    columns = [rows.column(c).to_pylist() for c in ("sample_id", "part", "token_offset", "num_tokens", "manifest")]
+    bad = set(manifest.out_of_bounds(rows).tolist())
+    for i in sorted(bad):
+        sample_id, part, offset, length, key = (c[i] for c in columns)
+        report.problems.append(_problem("bounds", manifest.bounds_message(offset, length), [sample_id], part=part,
+                                        key=key))
+    winners = manifest.winners(rows)
+    is_winner = np.zeros(len(rows), bool)
+    is_winner[winners] = True
+    served_part = {columns[0][i]: columns[1][i] for i in winners.tolist()}
+    hashes = manifest.row_hashes(rows)
+    has_mask = manifest.has_loss_mask(rows)
+    served: dict[str, list[_Row]] = {}
+    live: dict[str, list[tuple[int, int]]] = {}
+    for i, (sample_id, part, offset, length, key) in enumerate(zip(*columns)):
+        if i in bad:
+            continue
+        live.setdefault(part, []).append((offset, offset + length))
+        if not is_winner[i]:
+            report.problems.append(_problem("duplicate", f"also committed in part {served_part[sample_id]}, whose "
+                                            "row was committed first and is the one served", [sample_id], part=part,
+                                            key=key))
+            continue
+        row_hashes = {t: None if t == "loss_mask" and not has_mask[i] else int(hashes[t][i]) for t in TENSOR_NAMES}
+        served.setdefault(part, []).append(_Row(sample_id, offset, length, row_hashes))
+    for part, part_rows in served.items():
+        part_rows.sort(key=lambda r: r.offset)
+        for before, after in zip(part_rows, part_rows[1:]):
             if after.offset < before.end:
-                report.problems.append(Problem(
+                report.problems.append(_problem(
                     "bounds", f"tokens [{after.offset}, {after.end}) overlap sample {before.sample_id!r} "
-                    f"[{before.offset}, {before.end})", sample_id=after.sample_id, part=part))
-    return by_part
+                    f"[{before.offset}, {before.end})", [after.sample_id], part=part))
+    return _Rows(served, live)
 
 
 def _check_added_masks(storage: Storage, rows_by_part: dict[str, list[_Row]], report: Report) -> None:
-    """Loss-mask tables must be intact, and each mask as long as its committed sample."""
+    """Loss-mask tables must be intact, and each mask (no removal names) 0 or 1 and as long as its sample."""
     lengths = {r.sample_id: (part, r.length) for part, rows in rows_by_part.items() for r in rows}
-    for name in tables.list_files(storage, MASKS):
+    try:
+        names = tables.list_files(storage, MASKS)
+        removed = removals.load(storage).masks
+    except (CorruptDataError, OSError) as e:
+        report.problems.append(Problem("manifest", f"added loss masks not checked: {e}"))
+        return
+    for name in names:
         key = f"{MASKS}/{name}"
         try:
             table = tables.decode(name, storage.read_bytes(key), masks.SCHEMA, storage.describe(key))
@@ -179,46 +254,63 @@ def _check_added_masks(storage: Storage, rows_by_part: dict[str, list[_Row]], re
             report.problems.append(Problem("manifest", str(e), key=key))
             continue
         for sample_id, mask in zip(table.column("sample_id").to_pylist(), table.column("loss_mask").to_pylist()):
+            if (sample_id, name) in removed:
+                continue
             part, length = lengths.get(sample_id, (None, len(mask)))
+            where = dict(part=part, tensor="loss_mask", key=key)
             if len(mask) != length:
-                report.problems.append(Problem("bounds", f"added loss mask has {len(mask)} tokens, the sample {length}",
-                                               sample_id=sample_id, part=part, key=key))
+                report.problems.append(_problem("bounds", f"added loss mask has {len(mask)} tokens, the sample "
+                                                f"{length}", [sample_id], **where))
+            values = np.frombuffer(mask, np.uint8)
+            if len(values) and values.max() > 1:
+                report.problems.append(_problem("values", f"added loss mask holds {int(values.max())}; a mask "
+                                                "holds only 0 and 1", [sample_id], **where))
 
 
-def _check_metadata(storage: Storage, spec: StoreSpec, part: str, rows: list[_Row], report: Report) -> None:
-    def read_json(key: str):
+def _check_metadata(storage: Storage, spec: StoreSpec, part: str, rows: list[_Row], report: Report) -> dict[str, int]:
+    """Check a part's group and array documents; returns, per tensor, the tokens its array holds (-1: unknown).
+    Rows beyond them are problems, and are not streamed."""
+    def read(key: str):
         try:
-            return json.loads(storage.read_bytes(key))
+            return read_document(storage, key)
         except FileNotFoundError:
-            report.problems.append(Problem("metadata", "missing", part=part, key=key))
-        except (OSError, ValueError) as e:
-            report.problems.append(Problem("metadata", f"unreadable: {e}", part=part, key=key))
+            report.problems.append(_problem("metadata", "missing", [r.sample_id for r in rows], part=part,
+                                            key=key))
+        except (CorruptDataError, OSError) as e:
+            report.problems.append(_problem("metadata", f"unreadable: {e}", [r.sample_id for r in rows], part=part,
+                                            key=key))
         return None
 
     for node in (PARTS, part_node(part)):
-        document = read_json(metadata_key(node))
+        document = read(metadata_key(node))
         if document is not None and {k: document.get(k) for k in ("zarr_format", "node_type")} != \
                 {k: group_document()[k] for k in ("zarr_format", "node_type")}:
-            report.problems.append(Problem("metadata", "not a zarr v3 group", part=part, key=metadata_key(node)))
-    needed = max(r.end for r in rows)
+            report.problems.append(Problem("metadata", "not a zarr v3 group", part=part,
+                                           key=metadata_key(node)))
+    tokens_of = {}
     for tensor in spec.tensors:
         key = metadata_key(array_node(part, tensor))
-        document = read_json(key)
+        where = dict(part=part, tensor=tensor.name, key=key)
+        document = read(key)
+        tokens_of[tensor.name] = -1
         if document is None:
             continue
-        shape = document.get("shape") if isinstance(document, dict) else None
-        tokens = shape[0] if isinstance(shape, list) and shape and isinstance(shape[0], int) else -1
-        if isinstance(document, dict) and document.get("data_type") != tensor.data_type:
+        shape = document.get("shape")
+        tokens = tokens_of[tensor.name] = shape[0] if isinstance(shape, list) and shape and type(shape[0]) is int \
+            else -1
+        beyond = [r for r in rows if r.end > tokens]
+        if document.get("data_type") != tensor.data_type:
             report.problems.append(Problem("metadata", f"data_type is {document.get('data_type')!r}, the store's spec "
                                            f"stores this tensor as {tensor.data_type!r} ({tensor.logical_dtype})",
-                                           part=part, tensor=tensor.name, key=key))
+                                           **where))
         elif document != array_document(spec, tensor, tokens):
+            needed = max(r.end for r in rows)
             report.problems.append(Problem("metadata", "array metadata differs from what the spec implies "
-                                           f"(expected {json.dumps(array_document(spec, tensor, needed))})",
-                                           part=part, tensor=tensor.name, key=key))
-        elif tokens < needed:
-            report.problems.append(Problem("bounds", f"array holds {tokens} tokens, committed samples need {needed}",
-                                           part=part, tensor=tensor.name, key=key))
+                                           f"(expected {json.dumps(array_document(spec, tensor, needed))})", **where))
+        if beyond:
+            report.problems.append(_problem("bounds", f"array holds {max(tokens, 0)} tokens, committed samples need "
+                                            f"{max(r.end for r in beyond)}", [r.sample_id for r in beyond], **where))
+    return tokens_of
 
 
 def _select(rows_by_part: dict[str, list[_Row]], sample: float | None, seed: int) -> dict[str, list[_Row]]:
@@ -233,8 +325,30 @@ def _select(rows_by_part: dict[str, list[_Row]], sample: float | None, seed: int
     return {part: sorted(rows, key=lambda r: r.offset) for part, rows in selected.items()}
 
 
-def _chunk_runs(spec: StoreSpec, tensor: TensorSpec, rows: list[_Row]) -> list[tuple[int, int, int]]:
-    """``(shard, first_chunk, end_chunk)`` runs of local chunks holding ``rows``, merged and in file order."""
+def _find(storage: Storage) -> list[str]:
+    """Every file under the store's folders (a symlink or FIFO anywhere there raises UnsafePathError)."""
+    return [key for folder in (PARTS, MANIFESTS, MASKS, REMOVALS) for key in storage.find(folder)]
+
+
+def _present_shards(spec: StoreSpec, found: list[str]) -> dict[tuple[str, str], list[int]]:
+    """The shard files that exist, by (part, tensor): sorted shard numbers."""
+    present: dict[tuple[str, str], list[int]] = {}
+    for key in found:
+        match = _SHARD.match(key)
+        if match and _fits(spec, match):
+            present.setdefault((match["part"], match["tensor"]), []).append(int(match["shard"]))
+    return {k: sorted(v) for k, v in present.items()}
+
+
+def _fits(spec: StoreSpec, shard: re.Match) -> bool:
+    """A shard key's ``/0`` suffix is there exactly for 2-D tensors."""
+    return (spec.tensor(shard["tensor"]).width is not None) == (shard["inner"] is not None)
+
+
+def _chunk_runs(spec: StoreSpec, tensor: TensorSpec, rows: list[_Row],
+                shards: list[int]) -> list[tuple[int, int, int]]:
+    """``(shard, first_chunk, end_chunk)`` runs of local chunks holding ``rows`` in the existing ``shards``
+    (sorted), merged and in file order: never more runs than rows and shard files."""
     ct, per_shard = tensor.chunk_tokens, chunks_per_shard(spec, tensor)
     runs: list[list[int]] = []
     for r in rows:
@@ -245,79 +359,144 @@ def _chunk_runs(spec: StoreSpec, tensor: TensorSpec, rows: list[_Row]) -> list[t
             runs.append([first, end])
     out = []
     for first, end in runs:
-        while first < end:
-            shard = first // per_shard
-            stop = min(end, (shard + 1) * per_shard)
-            out.append((shard, first - shard * per_shard, stop - shard * per_shard))
-            first = stop
+        k = bisect_left(shards, first // per_shard)
+        while k < len(shards) and shards[k] * per_shard < end:
+            shard = shards[k]
+            out.append((shard, max(first, shard * per_shard) - shard * per_shard,
+                        min(end, (shard + 1) * per_shard) - shard * per_shard))
+            k += 1
     return out
 
 
-def _chunk_bytes(spec: StoreSpec, tensor: TensorSpec, rows: list[_Row]) -> int:
-    return sum(end - first for _, first, end in _chunk_runs(spec, tensor, rows)) * tensor.chunk_nbytes
+def _missing_shards(spec: StoreSpec, rows: list[_Row], shards: list[int]) -> list[tuple[int, int]]:
+    """``[first, last]`` runs of shard numbers that ``rows`` need and that do not exist."""
+    st = spec.shard_tokens
+    spans: list[list[int]] = []
+    for r in rows:
+        first, last = r.offset // st, (r.end - 1) // st
+        if spans and first <= spans[-1][1] + 1:
+            spans[-1][1] = max(spans[-1][1], last)
+        else:
+            spans.append([first, last])
+    missing = []
+    for first, last in spans:
+        k = bisect_left(shards, first)
+        at = first
+        while k < len(shards) and shards[k] <= last:
+            if shards[k] > at:
+                missing.append((at, shards[k] - 1))
+            at = shards[k] + 1
+            k += 1
+        if at <= last:
+            missing.append((at, last))
+    return missing
+
+
+def _chunk_bytes(spec: StoreSpec, tensor: TensorSpec, rows: list[_Row], shards: list[int]) -> int:
+    return sum(end - first for _, first, end in _chunk_runs(spec, tensor, rows, shards)) * tensor.chunk_nbytes
+
+
+def _read(storage: Storage, key: str, start: int, end: int) -> bytes | bytearray:
+    """Bytes ``[start, end)`` of ``key``, exactly: remote ones streamed as reads get them (a server that
+    ignores the Range header is refused before its body is read)."""
+    if storage.is_local:
+        data = storage.read_range(key, start, end)
+        if len(data) != end - start:
+            raise CorruptDataError(f"{storage.describe(key)} bytes [{start}, {end}): got {len(data)} bytes "
+                                   "(truncated?)")
+        return data
+    buffer = bytearray(end - start)
+    for _ in storage.read_into([(key, start, [memoryview(buffer)])]):
+        pass
+    return buffer
 
 
 class _StreamCheck:
-    """Checks one tensor of one part: shard files, indexes, chunk crc32c, and the selected samples' xxh3."""
+    """Checks one tensor of one part: shard files, indexes, chunk crc32c, and the selected samples' xxh3 and
+    value ranges."""
 
     def __init__(self, storage: Storage, spec: StoreSpec, part: str, tensor: TensorSpec, rows: list[_Row],
-                 check_finite: bool, progress: Callable[[int], None] | None):
+                 shards: list[int], check_finite: bool, progress: Callable[[int], None] | None):
         self.storage, self.spec, self.part, self.tensor, self.rows = storage, spec, part, tensor, rows
+        self.shards = shards
         self.check_finite = check_finite and tensor.name in HIDDEN_TENSORS
         self.progress = progress
         self.problems: list[Problem] = []
         self.bytes_checked = 0
+        self._offsets = [r.offset for r in rows]
+        self._max_ends = list(accumulate((r.end for r in rows), max))
         self._next = 0  # first row not yet finished
         self._hasher = manifest.content_hasher()
         self._broken: set[str] = set()  # rows with a problem found already: no hash verdict for them
         self._non_finite: set[str] = set()
+        self._bad_values: list[str] = []  # samples whose values are out of range, and the first such value
+        self._bad_value: int | None = None
+        self._limit = (2 if tensor.name == "loss_mask" else spec.vocab_size if tensor.name == "input_ids" and
+                       spec.vocab_size is not None else None)  # values must be >= 0 and < this
 
     def run(self) -> None:
-        runs = _chunk_runs(self.spec, self.tensor, self.rows)
+        st = self.spec.shard_tokens
+        for first, last in _missing_shards(self.spec, self.rows, self.shards):
+            key = shard_key(self.part, self.tensor, first)
+            message = "shard file missing" if first == last else \
+                f"shard files {first} to {last} missing ({last - first + 1:,} files)"
+            self._fail_rows(first * st, (last + 1) * st, "missing", message, key)
+        runs = _chunk_runs(self.spec, self.tensor, self.rows, self.shards)
         for shard in sorted({s for s, _, _ in runs}):
             self._check_shard(shard, [(a, b) for s, a, b in runs if s == shard])
+        if self._bad_values:
+            self._add("values", f"{self.tensor.name} holds {self._bad_value}, outside [0, {self._limit})",
+                      None, samples=self._bad_values)
 
-    def _problem(self, kind: str, message: str, key: str, byte_range=None, sample_id=None) -> None:
-        self.problems.append(Problem(kind, message, sample_id=sample_id, part=self.part, tensor=self.tensor.name,
-                                     key=self.storage.describe(key), byte_range=byte_range))
+    def _add(self, kind: str, message: str, key: str | None, byte_range=None, samples=()) -> None:
+        self.problems.append(_problem(kind, message, samples, part=self.part, tensor=self.tensor.name,
+                                      key=key and self.storage.describe(key), byte_range=byte_range))
 
     def _rows_in(self, first_token: int, end_token: int) -> list[_Row]:
-        return [r for r in self.rows if r.offset < end_token and r.end > first_token]
+        lo, hi = bisect_right(self._max_ends, first_token), bisect_left(self._offsets, end_token)
+        return [r for r in self.rows[lo:hi] if r.end > first_token]
 
     def _check_shard(self, shard: int, runs: list[tuple[int, int]]) -> None:
         key = shard_key(self.part, self.tensor, shard)
         chunk_size, per_shard = encoded_chunk_nbytes(self.tensor), chunks_per_shard(self.spec, self.tensor)
-        base, ct = shard * self.spec.shard_tokens, self.tensor.chunk_tokens
+        base, ct, st = shard * self.spec.shard_tokens, self.tensor.chunk_tokens, self.spec.shard_tokens
         try:
             size = self.storage.size(key)
-            index = decode_index(self.storage.read_range(key, max(0, size - index_nbytes(per_shard)), size),
-                                 per_shard, where="shard index")
+            raw_index = _read(self.storage, key, max(0, size - index_nbytes(per_shard)), size)
+        except FileNotFoundError:
+            return self._fail_rows(base, base + st, "missing", "shard file missing", key)
+        except (CorruptDataError, OSError) as e:
+            return self._fail_rows(base, base + st, "unreadable", str(e), key)
+        try:
+            index = decode_index(raw_index, per_shard, where="shard index")
             written = int((index[:, 0] != 2**64 - 1).sum())
             if encode_index(written, per_shard, chunk_size)[:-CRC_NBYTES] != index.tobytes():
                 raise CorruptDataError("shard index does not describe a dense shard (docs/format.md section 5)")
             if size != written * chunk_size + index_nbytes(per_shard):
                 raise CorruptDataError(f"file is {size} bytes, its index implies "
                                        f"{written * chunk_size + index_nbytes(per_shard)} (truncated?)")
-        except FileNotFoundError:
-            return self._fail_rows(base, base + self.spec.shard_tokens, "missing", "shard file missing", key)
         except CorruptDataError as e:
-            self._problem("index", str(e), key)
-            written = min(per_shard, max(0, (self._safe_size(key) - index_nbytes(per_shard)) // chunk_size))
-        except OSError as e:
-            return self._fail_rows(base, base + self.spec.shard_tokens, "unreadable", str(e), key)
+            self._add("index", str(e), key, samples=[r.sample_id for r in self._rows_in(base, base + st)])
+            written = min(per_shard, max(0, (size - index_nbytes(per_shard)) // chunk_size))
+        bad_chunks: list[int] = []
         for first, end in runs:
             if end > written:
                 self._fail_rows(base + max(first, written) * ct, base + end * ct, "missing",
                                 f"chunks {max(first, written)}..{end - 1} are not in the shard", key)
                 end = max(first, written)
-            for block_first, block in self._blocks(key, first, end):
-                self._check_block(key, base, block_first, block)
-
-    def _safe_size(self, key: str) -> int:
-        try:
-            return self.storage.size(key)
-        except OSError:
-            return 0
+            done = first  # chunks checked so far
+            try:
+                for at, block in self._blocks(key, first, end):
+                    self._check_block(base, at, block, bad_chunks)
+                    done = at + len(block) // chunk_size
+            except (CorruptDataError, OSError) as e:
+                return self._fail_rows(base + done * ct, base + end * ct, "unreadable", str(e), key)
+        if bad_chunks:
+            what = f"chunk {bad_chunks[0]}" if len(bad_chunks) == 1 else \
+                f"{len(bad_chunks):,} chunks ({', '.join(map(str, bad_chunks[:5]))}{', ...' if len(bad_chunks) > 5 else ''})"
+            affected = {r.sample_id: r for j in bad_chunks for r in self._rows_in(base + j * ct, base + (j + 1) * ct)}
+            self._add("checksum", f"crc32c mismatch in {what}", key,
+                      (bad_chunks[0] * chunk_size, (bad_chunks[-1] + 1) * chunk_size), list(affected))
 
     def _blocks(self, key: str, first: int, end: int) -> Iterator[tuple[int, bytes]]:
         """Chunks ``[first, end)`` in blocks, the next block read while the current one is checked."""
@@ -327,15 +506,19 @@ class _StreamCheck:
         with ThreadPoolExecutor(1) as reader:
             def read(a: int):
                 b = min(end, a + per_block)
-                return self.storage.read_range(key, a * chunk_size, b * chunk_size)
+                return _read(self.storage, key, a * chunk_size, b * chunk_size)
 
             pending = reader.submit(read, starts[0]) if starts else None
-            for k, a in enumerate(starts):
-                data = pending.result()
-                pending = reader.submit(read, starts[k + 1]) if k + 1 < len(starts) else None
-                yield a, data
+            try:
+                for k, a in enumerate(starts):
+                    data = pending.result()
+                    pending = reader.submit(read, starts[k + 1]) if k + 1 < len(starts) else None
+                    yield a, data
+            finally:
+                if pending is not None:
+                    pending.cancel()
 
-    def _check_block(self, key: str, base: int, first: int, block: bytes) -> None:
+    def _check_block(self, base: int, first: int, block: bytes, bad_chunks: list[int]) -> None:
         chunk_size, payload, ct = encoded_chunk_nbytes(self.tensor), self.tensor.chunk_nbytes, self.tensor.chunk_tokens
         view = memoryview(block)
         for k in range(len(block) // chunk_size):
@@ -344,17 +527,15 @@ class _StreamCheck:
             stored = int.from_bytes(view[k * chunk_size + payload : (k + 1) * chunk_size], "little")
             t0, t1 = base + j * ct, base + (j + 1) * ct
             if crc32c(data) != stored:
-                self._fail_rows(t0, t1, "checksum", f"chunk {j} crc32c mismatch", key,
-                                (j * chunk_size, (j + 1) * chunk_size))
+                bad_chunks.append(j)
+                self._broken.update(r.sample_id for r in self._rows_in(t0, t1))
             self._feed(data, t0, t1)
             self.bytes_checked += payload
             if self.progress is not None:
                 self.progress(payload)
-        if len(block) % chunk_size:
-            self._problem("missing", "short read", key)
 
     def _feed(self, data: memoryview, t0: int, t1: int) -> None:
-        """Hash the selected rows' bytes of chunk tokens ``[t0, t1)``; finish rows that end in it."""
+        """Hash (and range-check) the selected rows' bytes of chunk tokens ``[t0, t1)``; finish rows ending in it."""
         row_nbytes = self.tensor.row_nbytes
         while self._next < len(self.rows):
             r = self.rows[self._next]
@@ -366,12 +547,13 @@ class _StreamCheck:
                 continue
             piece = data[(max(r.offset, t0) - t0) * row_nbytes : (min(r.end, t1) - t0) * row_nbytes]
             self._hasher.update(piece)
+            if self._limit is not None and r.hashes[self.tensor.name] is not None and r.sample_id not in self._broken:
+                self._check_values(r.sample_id, piece)
             if self.check_finite and r.sample_id not in self._non_finite:
                 mask = self.tensor.dtype.exponent_mask
                 if ((np.frombuffer(piece, self.tensor.dtype.bits) & mask) == mask).any():
                     self._non_finite.add(r.sample_id)
-                    self.problems.append(Problem("non_finite", "holds NaN or Inf", sample_id=r.sample_id,
-                                                 part=self.part, tensor=self.tensor.name))
+                    self._add("non_finite", "holds NaN or Inf", None, samples=[r.sample_id])
             if r.end > t1:
                 return
             computed = self._hasher.intdigest()
@@ -380,34 +562,54 @@ class _StreamCheck:
                 ranges = token_ranges(self.spec, self.tensor, r.offset, r.length)
                 more = f" (and {len(ranges) - 1} more shard(s))" if len(ranges) > 1 else ""
                 key = shard_key(self.part, self.tensor, ranges[0].shard)
-                self._problem("checksum", f"xxh3 {computed:016x} differs from the manifest's {expected:016x}{more}",
-                              key, (ranges[0].file_start, ranges[0].file_end), r.sample_id)
+                self._add("checksum", f"xxh3 {computed:016x} differs from the manifest's {expected:016x}{more}",
+                          key, (ranges[0].file_start, ranges[0].file_end), [r.sample_id])
             self._next += 1
             self._hasher = manifest.content_hasher()
 
+    def _check_values(self, sample_id: str, piece: memoryview) -> None:
+        """``input_ids`` in ``[0, vocab_size)``, ``loss_mask`` 0 or 1 (a sample stored without a mask is skipped)."""
+        if self._bad_values and self._bad_values[-1] == sample_id:
+            return
+        values = np.frombuffer(piece, self.tensor.dtype.stored.newbyteorder('<'))
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= self._limit:
+            self._bad_values.append(sample_id)
+            if self._bad_value is None:
+                self._bad_value = low if low < 0 else high
+
     def _fail_rows(self, t0: int, t1: int, kind: str, message: str, key: str, byte_range=None) -> None:
-        """One problem per selected sample with tokens in ``[t0, t1)`` (or one naming no sample)."""
+        """One problem for every selected sample with tokens in ``[t0, t1)`` (or naming no sample)."""
         rows = self._rows_in(t0, t1)
-        for r in rows:
-            self._broken.add(r.sample_id)
-            self._problem(kind, message, key, byte_range, r.sample_id)
-        if not rows:
-            self._problem(kind, message, key, byte_range)
+        self._broken.update(r.sample_id for r in rows)
+        self._add(kind, message, key, byte_range, [r.sample_id for r in rows])
 
 
-def _leftovers(storage: Storage, spec: StoreSpec, rows_by_part: dict[str, list[_Row]]) -> list[str]:
-    needed = {metadata_key(PARTS)} | {f"{MANIFESTS}/{n}" for n in manifest.list_files(storage)}
-    needed |= {f"{MASKS}/{n}" for n in tables.list_files(storage, MASKS)}
-    for part, rows in rows_by_part.items():
-        needed.add(metadata_key(part_node(part)))
-        for tensor in spec.tensors:
-            needed.add(metadata_key(array_node(part, tensor)))
-            needed.update(shard_key(part, tensor, s) for s, _, _ in _chunk_runs(spec, tensor, rows))
-    found = []
-    for prefix in (PARTS, MANIFESTS, MASKS):
-        try:
-            found += storage.fs.find(storage.path(prefix))
-        except FileNotFoundError:
-            pass
-    root = storage.root + "/"
-    return sorted(k for k in (p[len(root):] if p.startswith(root) else p for p in found) if k not in needed)
+def _leftovers(spec: StoreSpec, rows: _Rows, found: list[str]) -> list[str]:
+    """Of ``found``, the keys of layout names that no row not removed needs."""
+    st = spec.shard_tokens
+    spans = {part: _merged((o // st, (e - 1) // st) for o, e in ranges) for part, ranges in rows.live.items()}
+    out = []
+    for key in found:
+        if _PARTIAL.search(key):
+            out.append(key)
+        elif node := _NODE.match(key):
+            if node["part"] not in spans:
+                out.append(key)
+        elif (shard := _SHARD.match(key)) and _fits(spec, shard):
+            part_spans = spans.get(shard["part"], [])
+            k = bisect_right(part_spans, (int(shard["shard"]), float("inf"))) - 1
+            if k < 0 or part_spans[k][1] < int(shard["shard"]):
+                out.append(key)
+    return sorted(out)
+
+
+def _merged(spans) -> list[tuple[int, int]]:
+    """``[first, last]`` spans, sorted and merged where they overlap or touch."""
+    out: list[list[int]] = []
+    for first, last in sorted(spans):
+        if out and first <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], last)
+        else:
+            out.append([first, last])
+    return [(a, b) for a, b in out]

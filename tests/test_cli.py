@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import hsdata
 from conftest import make_sample, write_store
 
 
@@ -170,3 +171,20 @@ def test_progress_bars_use_the_summaries_binary_units_and_show_totals_rates_and_
     shown = sys.stderr.getvalue()
     assert "1.00ktok/2.00ktok" in shown and "tok/s" in shown and "2/4 samples" in shown and "/s written" in shown
     assert "<" in shown  # tqdm's elapsed<remaining (ETA)
+
+
+def test_remove_takes_samples_or_their_added_masks_out_and_refuses_unknown_ids(capsys, store_path):
+    a, b = make_sample(6, 1), make_sample(4, 2)
+    write_store(store_path, {"a": a, "b": {**b, "loss_mask": None}})
+    hsdata.add_loss_masks(str(store_path), {"b": [1, 0, 0, 1]})
+    code, out, _ = run_main(capsys, "remove", str(store_path), "a", "--reason", "leaked")
+    assert code == 0 and out.startswith("removed the rows of 1 sample(s): removals/")
+    code, out, _ = run_main(capsys, "remove", str(store_path), "b", "--loss-masks", "--json")
+    assert code == 0 and json.loads(out)["loss_masks_only"] is True
+    store = hsdata.open(str(store_path))
+    assert store.sample_ids == ["b"] and store.get("b")["loss_mask"] is None
+    removals = sorted(p.name for p in (store_path / "removals").iterdir())
+    code, _, err = run_main(capsys, "remove", str(store_path), "a", "nope")
+    assert code == 2 and err.count("\n") == 1
+    assert "2 of 2 sample removals refused, nothing written: sample 'a': not a committed sample" in err
+    assert sorted(p.name for p in (store_path / "removals").iterdir()) == removals
