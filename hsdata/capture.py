@@ -333,3 +333,9 @@ class Capture:
             written += 1
         self.samples_written += written
         return written
+
+
+def vocab_size(model: torch.nn.Module) -> int | None:
+    """The model's vocabulary size from its config (transformers and SGLang models have one), else None."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import writer as writer_module
-from .capture import Capture, Piece
+from .capture import Capture, Piece, vocab_size
 from .conversations import Record, tokenize
 from .errors import NotAStoreError
 from .reader import open as open_store
@@ -86,7 +86,7 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
     hidden, compute_dtype = norm.weight.shape[-1], norm.weight.dtype
     store_writer = writer_module.create(out, hidden_size=hidden, aux_layers=aux_layers, model=model_name,
                                         dtype=store_dtype or compute_dtype, compute_dtype=compute_dtype,
-                                        storage_options=storage_options)
+                                        vocab_size=vocab_size(model), storage_options=storage_options)
     capture = Capture(store_writer, loss_masks=masks)
     captured: dict[str, torch.Tensor] = {}
     hooks = [layers[k].register_forward_hook(_keep(captured, f"aux{k}")) for k in aux_layers]

@@ -215,12 +215,14 @@ class StoreSpec:
         """Raise unless a writer asking for ``requested`` may join a store with this spec.
 
         Model facts and dtypes must be equal (a store that does not record its compute dtype, version 1, takes
-        states in its stored dtype); layout fields (shard/chunk sizes) only when the caller set them explicitly.
+        states in its stored dtype; a vocab_size recorded on one side only is no difference); layout fields (shard/chunk sizes) only when the caller set them explicitly.
         """
         diffs = []
-        for f in ("hidden_size", "aux_layers", "model", "vocab_size", "dtype"):
+        for f in ("hidden_size", "aux_layers", "model", "dtype"):
             if getattr(self, f) != getattr(requested, f):
                 diffs.append(f"{f}: store has {getattr(self, f)!r}, requested {getattr(requested, f)!r}")
+        if None not in (self.vocab_size, requested.vocab_size) and self.vocab_size != requested.vocab_size:
+            diffs.append(f"vocab_size: store has {self.vocab_size}, requested {requested.vocab_size}")
         if (self.compute_dtype or self.dtype) != requested.compute_dtype:
             diffs.append(f"compute_dtype: store has {self.compute_dtype!r}, requested {requested.compute_dtype!r}")
         if "shard_tokens" in explicit and self.shard_tokens != requested.shard_tokens:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 import hsdata
-from hsdata.capture import Capture, Piece
+from hsdata.capture import Capture, Piece, vocab_size
 from hsdata.client import RID_PREFIX
 from hsdata.dtypes import hidden_dtype
 
@@ -143,7 +143,8 @@ class PrefillHook:
                              f"model passes {width}: set \"aux_layers\" in the hook config")
         writer = hsdata.create(self.config.store, hidden_size=hidden, aux_layers=list(layers),
                                model=self.config.model or _server_model(), dtype=self.config.store_dtype or final.dtype,
-                               compute_dtype=final.dtype, storage_options=self.config.storage_options)
+                               compute_dtype=final.dtype, vocab_size=vocab_size(module),
+                               storage_options=self.config.storage_options)
         capture = Capture(writer, flush_interval_s=self.config.flush_interval_s,
                           max_staged_bytes=self.config.max_staged_bytes)
         atexit.register(self.close)

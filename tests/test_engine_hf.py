@@ -39,6 +39,7 @@ def assert_store_holds_transformers_states(store_path, model, tokenizer, records
     store = hsdata.open(store_path)
     layers = [1, 3, 4]  # EAGLE-3's defaults for 8 layers, "output of layer k"
     assert list(store.spec.aux_layers) == layers and store.spec.layer_convention == "output_of_layer"
+    assert store.spec.vocab_size == model.config.vocab_size  # so validate can check every input id
     stored = getattr(torch, store.spec.dtype)
     todo = [(r.sample_id, tokenize(tokenizer, r)[0]) for r in records]
     batches = list(engine_hf.batches_by_length(todo, max_batch_tokens))

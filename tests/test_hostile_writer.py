@@ -298,3 +298,17 @@ def test_a_resumed_server_extraction_adds_the_masks_a_stopped_run_did_not(store_
     store = hsdata.open(str(store_path))
     for sid, sample in samples.items():
         assert_same(store.get(sid), sample)
+
+
+def test_a_vocab_size_recorded_on_one_side_only_does_not_block_joining(tmp_path):
+    """Stores made before extraction recorded the model's vocabulary size still take resumed runs that do;
+    two different recorded sizes do not join."""
+    url = str(tmp_path / "store")
+    hsdata.create(url, **SPEC).close()
+    with hsdata.create(url, **SPEC, vocab_size=1000) as writer:
+        assert writer.spec.vocab_size is None  # the store's root is write-once
+    sized = str(tmp_path / "sized")
+    hsdata.create(sized, **SPEC, vocab_size=1000).close()
+    hsdata.create(sized, **SPEC).close()
+    with pytest.raises(hsdata.SpecMismatchError, match="vocab_size: store has 1000, requested 999"):
+        hsdata.create(sized, **SPEC, vocab_size=999)

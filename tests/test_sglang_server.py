@@ -107,6 +107,7 @@ def test_extraction_commits_every_sample_with_the_in_process_engines_ids_and_mas
     served, local = hsdata.open(str(store)), hsdata.open(str(in_process))
     assert sorted(served.sample_ids) == sorted(local.sample_ids)
     assert served.spec.aux_layers == local.spec.aux_layers == tuple(AUX_LAYER_IDS)
+    assert served.spec.vocab_size == local.spec.vocab_size is not None  # the model's, recorded by both
     for sample_id in local.sample_ids:
         got, want = served.get(sample_id), local.get(sample_id)
         assert torch.equal(got["input_ids"], want["input_ids"]), sample_id
