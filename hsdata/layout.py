@@ -82,8 +82,11 @@ def encode_json(document: dict[str, Any]) -> bytes:
 def read_document(storage, key: str) -> dict[str, Any]:
     """Read and parse one ``zarr.json``: at most ``MAX_METADATA_BYTES``, nested at most ``MAX_JSON_DEPTH`` deep, a
     JSON object whose ``attributes`` (if present) is an object; else :class:`CorruptDataError` naming it."""
-    where = storage.describe(key)
-    raw = storage.read_bytes(key, max_bytes=MAX_METADATA_BYTES)
+    return parse_document(storage.read_bytes(key, max_bytes=MAX_METADATA_BYTES), storage.describe(key))
+
+
+def parse_document(raw: bytes, where: str) -> dict[str, Any]:
+    """The checks of :func:`read_document` on bytes already read (at most ``MAX_METADATA_BYTES``) from ``where``."""
     try:
         document = json.loads(raw)
     except RecursionError:

@@ -14,7 +14,8 @@ import torch
 
 from . import manifest, masks, removals, sampling
 from .errors import CorruptDataError
-from .layout import array_node, load_spec, metadata_key, read_document, shard_key
+from .layout import (MAX_METADATA_BYTES, array_node, load_spec, metadata_key, parse_document, read_document,
+                     shard_key)
 from .pool import ProcessLocalPool
 from .shard import CRC_NBYTES, ShardRange, chunks_per_shard, encoded_chunk_nbytes, index_nbytes, token_ranges
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
@@ -361,17 +362,29 @@ def _winners(rows: pa.Table, url: str) -> pa.Table:
 
 def _array_tokens(storage: Storage, spec: StoreSpec, parts: list[str]) -> dict[str, int | str]:
     """``shape[0]`` of each array's ``zarr.json`` (the tokens its part holds) by key; what is wrong with it instead
-    where it cannot be read (raised when a sample of that part is read)."""
-    out: dict[str, int | str] = {}
-    for key in (metadata_key(array_node(part, tensor)) for part in parts for tensor in spec.tensors):
-        try:
-            shape = read_document(storage, key).get("shape")
-        except FileNotFoundError:
-            out[key] = f"{storage.describe(key)}: array metadata missing"
-            continue
-        except CorruptDataError as e:
-            out[key] = str(e)
-            continue
-        valid = isinstance(shape, list) and shape and type(shape[0]) is int and shape[0] >= 0
-        out[key] = shape[0] if valid else f"{storage.describe(key)}: shape {shape!r} does not start with a token count"
-    return out
+    where it cannot be read (raised when a sample of that part is read). Remotely, the documents are fetched at
+    once; one that fails sends them all through one at a time, so that each failure stays with its key."""
+    keys = [metadata_key(array_node(part, tensor)) for part in parts for tensor in spec.tensors]
+    try:
+        documents = [parse_document(raw, storage.describe(key))
+                     for key, raw in zip(keys, storage.read_many(keys, max_bytes=MAX_METADATA_BYTES))]
+    except OSError:  # CorruptDataError included
+        documents = [_document_or_error(storage, key) for key in keys]
+    return {key: _token_count(storage, key, document) for key, document in zip(keys, documents)}
+
+
+def _document_or_error(storage: Storage, key: str) -> dict[str, Any] | str:
+    try:
+        return read_document(storage, key)
+    except FileNotFoundError:
+        return f"{storage.describe(key)}: array metadata missing"
+    except CorruptDataError as e:
+        return str(e)
+
+
+def _token_count(storage: Storage, key: str, document: dict[str, Any] | str) -> int | str:
+    if isinstance(document, str):
+        return document
+    shape = document.get("shape")
+    valid = isinstance(shape, list) and shape and type(shape[0]) is int and shape[0] >= 0
+    return shape[0] if valid else f"{storage.describe(key)}: shape {shape!r} does not start with a token count"

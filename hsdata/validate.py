@@ -188,7 +188,7 @@ def _load_rows(storage: Storage, report: Report) -> _Rows:
         key = f"{MANIFESTS}/{name}"
         if not tables.FILE_NAME.match(name):
             report.problems.append(Problem("manifest", "not a manifest name (<part>.<seq>.<xxh3 in lowercase "
-                                           "hex>.parquet): readers skip it", key=key))
+                                           "hex>.parquet): readers refuse the store", key=key))
             continue
         try:
             table = manifest.decode(name, storage.read_bytes(key), storage.describe(key))

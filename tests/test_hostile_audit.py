@@ -117,7 +117,7 @@ def test_gc_refuses_when_a_manifest_name_is_unknown(store_path, capsys):
     code, out, _ = cli(capsys, "validate", str(store_path))
     assert code == 1 and out.splitlines()[0] == (f"manifest: manifests/{part}.{seq}.{digest.upper()}.parquet: not a "
                                                  "manifest name (<part>.<seq>.<xxh3 in lowercase hex>.parquet): "
-                                                 "readers skip it")
+                                                 "readers refuse the store")
     code, out, err = cli(capsys, "gc", str(store_path), "--yes", "--older-than", "0")
     assert (code, out) == (2, "")
     assert err.startswith(f"hsdata gc: error: {store_path}: not cleaning up, what is committed is unclear: "
