@@ -66,10 +66,12 @@ class Storage:
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         self.url = str(url)
+        self._options = dict(storage_options or {})
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+            self._fs, self.root = fsspec.core.url_to_fs(self.url, **self._options)
         except ImportError as e:
             raise MissingExtraError(_missing_extra(self.url, e)) from None
+        self._fs_pid = os.getpid()
         self.root = self.root.rstrip("/")
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.max_requests = max_requests
@@ -77,6 +79,15 @@ class Storage:
         self._real_root = os.path.realpath(self.root) if self.is_local else None
         self._files = _FileCache(self._open_regular) if self.is_local else None
         self._limit: tuple[int, asyncio.Semaphore] | None = None  # (pid, semaphore on fsspec's event loop)
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The fsspec filesystem of this process: a forked child (a DataLoader worker) makes its own, since an async
+        filesystem is tied to the event loop of the process that made it."""
+        if self._fs_pid != os.getpid():
+            self._fs = fsspec.core.url_to_fs(self.url, **self._options)[0]
+            self._fs_pid = os.getpid()
+        return self._fs
 
     def path(self, key: str) -> str:
         """The filesystem path of ``key`` as fsspec spells it (the key is checked, not resolved)."""

@@ -70,11 +70,16 @@ def test_s3_store_reads_back_bit_exact_and_validates(s3, s3_store):
     assert info.returncode == 0 and re.search(r"samples +40 in 1 part", info.stdout), info.stdout + info.stderr
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_dataset_epoch_from_s3(s3, s3_store, workers):
+@pytest.mark.parametrize("workers, start_method, used_first", [(0, None, False), (2, "spawn", False),
+                                                               (2, "fork", False), (2, "fork", True)])
+def test_dataset_epoch_from_s3(s3, s3_store, workers, start_method, used_first):
+    """Workers of each start method read the remote store, also when the parent read from it first (a forked
+    child inherits the parent's fsspec filesystem and its event loop, which it must not use)."""
     dataset = Eagle3Dataset(s3_store, storage_options=s3["options"], max_length=64)
+    if used_first:
+        dataset[0]
     loader = DataLoader(dataset, batch_size=4, sampler=ShardAwareSampler(dataset, seed=3), collate_fn=collate_eagle3,
-                        num_workers=workers, multiprocessing_context="spawn" if workers else None)
+                        num_workers=workers, multiprocessing_context=start_method)
     seen = []
     for batch in loader:
         for b, sample_id in enumerate(batch["sample_id"]):
