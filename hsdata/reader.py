@@ -48,8 +48,9 @@ def open(url: str, *, storage_options: dict | None = None, verify: bool = True, 
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir is not None else None
     storage = Storage(url, storage_options, max_requests=concurrency or REMOTE_CONCURRENCY, cache=cache)
+    spec = load_spec(storage)  # first: a path that holds no store says so before any table is read
     rows = removals.load(storage).drop_rows(manifest.load(storage))
-    return Store(storage, load_spec(storage), rows, masks.load(storage), verify=verify, concurrency=concurrency,
+    return Store(storage, spec, rows, masks.load(storage), verify=verify, concurrency=concurrency,
                  range_bytes=range_bytes)
 
 

@@ -157,12 +157,8 @@ class Storage:
             return sorted(path[len(root):] for path in found)
         self._local_path(prefix)  # confined
         top = self._unresolved(prefix)
-        try:
-            mode = os.lstat(top).st_mode
-        except (FileNotFoundError, NotADirectoryError):  # absent, or under a file: no such folder
+        if not self._is_folder(prefix, top):
             return []
-        if not stat.S_ISDIR(mode):
-            raise UnsafePathError(f"{self.describe(prefix)} is {_kind(mode)}, not a folder")
         keys = []
 
         def fail(error: OSError):
@@ -338,12 +334,8 @@ class Storage:
 
     def _list_local(self, prefix: str) -> list[str]:
         folder = self._local_path(prefix)
-        try:
-            mode = os.lstat(folder).st_mode
-        except (FileNotFoundError, NotADirectoryError):  # absent, or under a file: no such folder
+        if not self._is_folder(prefix, folder):
             return []
-        if not stat.S_ISDIR(mode):
-            raise UnsafePathError(f"{self.describe(prefix)} is {_kind(mode)}, not a folder")
         entries = list(os.scandir(folder))
         names = []
         for entry in entries:
@@ -357,6 +349,17 @@ class Storage:
                                       "not a regular file")
             names.append(entry.name)
         return sorted(names)
+
+    def _is_folder(self, prefix: str, path: str) -> bool:
+        """Whether ``path`` (of ``prefix``) is a folder; False if absent or under a file, UnsafePathError if it is
+        anything else."""
+        try:
+            mode = os.lstat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        if not stat.S_ISDIR(mode):
+            raise UnsafePathError(f"{self.describe(prefix)} is {_kind(mode)}, not a folder")
+        return True
 
     def _check_size(self, key: str, size: int, max_bytes: int) -> None:
         if size > max_bytes:
