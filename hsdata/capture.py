@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import collections
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -333,6 +335,16 @@ class Capture:
             written += 1
         self.samples_written += written
         return written
+
+
+def provenance(engine: str, engine_version: str) -> dict[str, str]:
+    """What every extraction records in the store's provenance: the engine and its version, torch's and hsdata's
+    versions, when (UTC) and on which host."""
+    from . import __version__
+
+    return {"engine": engine, "engine_version": engine_version, "torch_version": torch.__version__,
+            "hsdata_version": __version__, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "host": socket.gethostname()}
 
 
 def vocab_size(model: torch.nn.Module) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -15,6 +16,7 @@ from .client import extract_from_server
 from .conversations import read_jsonl
 from .dtypes import HIDDEN_DTYPES, check_pair
 from .errors import HsdataError
+from .layout import check_provenance
 from .progress import Progress, human_bytes, status
 from .repair import remove_loss_masks, remove_samples
 from .reader import Store, open as open_store
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hsdata", description=__doc__, epilog=EXIT_CODES)
     parser.add_argument("--version", action="version", version=f"hsdata {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="spec, sample and token counts, sizes and length distribution")
+    info = commands.add_parser("info", help="spec, sample and token counts, sizes, length distribution and provenance")
     info.add_argument("store", help="path or fsspec URL of the store")
     info.add_argument("--json", action="store_true", help="print one JSON document")
     _add_storage_options(info)
@@ -100,9 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     extract.add_argument("--retries", type=int, default=4, help="--server: retries of a failed request (4)")
     extract.add_argument("--commit-timeout", type=float, default=120.0, metavar="SECONDS",
                          help="--server: how long to wait for the last samples to be committed (120)")
+    extract.add_argument("--provenance", action="append", default=[], metavar="KEY=VALUE",
+                         help="--engine hf: recorded in the store's provenance over the automatic entries "
+                              "(repeatable); VALUE is parsed as JSON when it can be")
     _add_storage_options(extract)
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
+    args.command_line = shlex.join(["hsdata", *argv])
     if unknown:  # report it with the subcommand's own usage, not the top-level one
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
@@ -192,11 +199,16 @@ def _add_storage_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _storage_options(pairs: list[str]) -> dict:
+    return _key_values(pairs, "--storage-option")
+
+
+def _key_values(pairs: list[str], option: str) -> dict:
+    """``KEY=VALUE`` pairs of a repeatable ``option`` as a dict, each value parsed as JSON when it can be."""
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--storage-option expects KEY=VALUE, got {pair!r}")
+            raise ValueError(f"{option} expects KEY=VALUE, got {pair!r}")
         try:
             options[key] = json.loads(value)
         except ValueError:
@@ -227,6 +239,7 @@ def summarize(store: Store) -> dict:
         "chunk_tokens": {t.name: t.chunk_tokens for t in spec.tensors},
         "length": dict(zip(("min", "p50", "p90", "p99", "max"), quantiles),
                        mean=float(lengths.mean()) if len(lengths) else 0.0),
+        "provenance": store.provenance,
     }
 
 
@@ -234,7 +247,7 @@ def _info(args: argparse.Namespace) -> int:
     with open_store(args.store, storage_options=_storage_options(args.storage_option)) as store:
         summary = summarize(store)
     if args.json:
-        print(json.dumps(_rounded(summary), indent=2))
+        print(json.dumps({**_rounded(summary), "provenance": summary["provenance"]}, indent=2))  # as recorded
         return 0
     length = summary["length"]
     print(f"store       {summary['url']}  (format v{summary['format_version']})")
@@ -250,7 +263,19 @@ def _info(args: argparse.Namespace) -> int:
           f"{human_bytes(summary['disk_bytes'])} on disk (with chunk padding at commits, indexes, manifests)")
     print(f"length      min {length['min']:.0f}  p50 {length['p50']:.0f}  p90 {length['p90']:.0f}  "
           f"p99 {length['p99']:.0f}  max {length['max']:.0f}  mean {length['mean']:.1f}")
+    provenance = summary["provenance"]
+    print("provenance" if provenance else "provenance  none recorded")
+    for key, value in provenance.items():
+        print(f"  {_one_line(key)}: {_one_line(value)}")
     return 0
+
+
+def _one_line(value) -> str:
+    """A provenance key or value on one line: printable text as it is, anything else as compact JSON (escaping
+    newlines and control characters, so a store's text cannot drive the terminal)."""
+    if isinstance(value, str) and value.isprintable():
+        return value
+    return json.dumps(value, separators=(",", ":"))
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -329,6 +354,9 @@ def _extract(args: argparse.Namespace) -> int:
 def _extract_from_server(args: argparse.Namespace) -> int:
     if not args.data:
         raise ValueError("--server needs --data")
+    if args.provenance:
+        raise ValueError("--provenance is for --engine hf: the server's hook creates the store and records its "
+                         "own (set \"provenance\" in its hook config, docs/server_hook.md)")
     status(f"reading data {args.data} ...")
     records = list(read_jsonl(args.data))
     tokenizer = _load_tokenizer(args.tokenizer) if any(r.messages is not None for r in records) else None
@@ -353,12 +381,14 @@ def _extract_in_process(args: argparse.Namespace) -> int:
 
     store_dtype = args.store_dtype or args.dtype
     check_pair(store_dtype, args.dtype)
+    given = check_provenance(_key_values(args.provenance, "--provenance"))  # before the model is loaded
     dtype = getattr(torch, args.dtype)
     if args.model is None:
         status("training the demo tokenizer ...")
         tokenizer = demo.tokenizer()
         status(f"building the demo model ({demo.MODEL_NAME}, random weights) ...")
         model, name = demo.model(len(tokenizer), seed=args.seed, dtype=dtype), demo.MODEL_NAME
+        tokenizer_name = demo.MODEL_NAME
         data = args.data or demo.data_path()
     else:
         if not args.data:
@@ -366,7 +396,7 @@ def _extract_in_process(args: argparse.Namespace) -> int:
         status(f"loading model {args.model} ...")
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        data, name = args.data, args.model
+        data, name, tokenizer_name = args.data, args.model, None
         if args.model.endswith(".json"):
             torch.manual_seed(args.seed)
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
@@ -377,10 +407,14 @@ def _extract_in_process(args: argparse.Namespace) -> int:
     status(f"reading data {data} ...")
     records = list(read_jsonl(data))
     if tokenizer is None and any(r.messages is not None for r in records):
-        tokenizer = _load_tokenizer(args.tokenizer or (None if args.model.endswith(".json") else args.model))
+        tokenizer_name = args.tokenizer or (None if args.model.endswith(".json") else args.model)
+        tokenizer = _load_tokenizer(tokenizer_name)
     layers, norm = engine_hf.decoder_parts(model)
     aux = args.aux_layers or engine_hf.eagle3_layers(len(layers))
     token_bytes = 4 + 1 + (len(aux) + 1) * norm.weight.shape[-1] * getattr(torch, store_dtype).itemsize
+    provenance = {**engine_hf.extract_provenance(model, tokenizer, model_name=name, tokenizer_name=tokenizer_name,
+                                                 data=data, records=len(records)),
+                  "command": args.command_line, **given}
     bars: list[Progress] = []
 
     def on_plan(samples: int, tokens: int) -> None:
@@ -391,7 +425,8 @@ def _extract_in_process(args: argparse.Namespace) -> int:
         summary = engine_hf.extract(model, tokenizer, records, args.out, model_name=name, aux_layers=args.aux_layers,
                                     max_batch_tokens=args.max_batch_tokens, store_dtype=store_dtype,
                                     storage_options=_storage_options(args.storage_option), on_plan=on_plan,
-                                    on_batch=lambda samples, tokens: bars[0].update(tokens, samples))
+                                    on_batch=lambda samples, tokens: bars[0].update(tokens, samples),
+                                    provenance=provenance)
     finally:
         for bar in bars:
             bar.close()

@@ -6,17 +6,22 @@ feed the same :class:`hsdata.capture.Capture` path as the SGLang hook: one imple
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 
-from . import writer as writer_module
+from . import capture as capture_module, writer as writer_module
 from .capture import Capture, Piece, vocab_size
 from .conversations import Record, tokenize
 from .errors import NotAStoreError
 from .reader import open as open_store
+
+MAX_TEMPLATE_CHARS = 4096  # a longer chat template is recorded by its hash alone
 
 
 @dataclass
@@ -51,12 +56,13 @@ def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, torch.nn
 def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], out: str, *, model_name: str,
             aux_layers: list[int] | None = None, max_batch_tokens: int = 8192, storage_options: dict | None = None,
             store_dtype: str | torch.dtype | None = None, on_plan: Callable[[int, int], None] | None = None,
-            on_batch: Callable[[int, int], None] | None = None) -> EngineSummary:
+            on_batch: Callable[[int, int], None] | None = None, provenance: dict | None = None) -> EngineSummary:
     """Tokenize, batch by length, run ``model`` and store every record not yet committed in ``out``.
 
     The states are stored in ``store_dtype`` (None: the model's dtype, as computed; a float32 model's may be
     stored as bfloat16 or float16). ``on_plan(samples, tokens)`` is called once with what is to be run, before
-    the first forward; ``on_batch(samples, tokens)`` after each forward."""
+    the first forward; ``on_batch(samples, tokens)`` after each forward. ``provenance`` goes to
+    ``hsdata.create`` (:func:`extract_provenance` makes the automatic entries)."""
     started = time.monotonic()
     summary = EngineSummary()
     layers, norm = decoder_parts(model)
@@ -86,7 +92,8 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
     hidden, compute_dtype = norm.weight.shape[-1], norm.weight.dtype
     store_writer = writer_module.create(out, hidden_size=hidden, aux_layers=aux_layers, model=model_name,
                                         dtype=store_dtype or compute_dtype, compute_dtype=compute_dtype,
-                                        vocab_size=vocab_size(model), storage_options=storage_options)
+                                        vocab_size=vocab_size(model), storage_options=storage_options,
+                                        provenance=provenance)
     capture = Capture(store_writer, loss_masks=masks)
     captured: dict[str, torch.Tensor] = {}
     hooks = [layers[k].register_forward_hook(_keep(captured, f"aux{k}")) for k in aux_layers]
@@ -120,6 +127,43 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
             summary.failed[sid] = "not committed (see the log)"
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def extract_provenance(model: torch.nn.Module, tokenizer: Any, *, model_name: str, tokenizer_name: str | None,
+                       data: str, records: int) -> dict[str, Any]:
+    """The provenance ``hsdata extract`` records: engine and versions, host and time (:func:`capture.provenance`),
+    the model, its device and dtype, the tokenizer and hashes of it and its chat template, the data file, its
+    sha256 and number of records."""
+    import transformers
+
+    weight = next(model.parameters())
+    facts: dict[str, Any] = capture_module.provenance("transformers", transformers.__version__)
+    facts.update(model=model_name, device=str(weight.device), dtype=str(weight.dtype).removeprefix("torch."),
+                 tokenizer=tokenizer_name)
+    if tokenizer is not None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer: its whole tokenizer.json
+        definition = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+        facts["tokenizer_sha256"] = _sha256(definition.encode())
+        template = getattr(tokenizer, "chat_template", None)
+        if template:
+            text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+            facts["chat_template_sha256"] = _sha256(text.encode())
+            if len(text) <= MAX_TEMPLATE_CHARS:
+                facts["chat_template"] = template
+    facts.update(data=os.path.abspath(data), data_sha256=_file_sha256(data), records=records)
+    return facts
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def pad_batch(batch: list[tuple[str, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:

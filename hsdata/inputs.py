@@ -77,6 +77,8 @@ def prepare(spec: StoreSpec, sample_id: Any, *, input_ids: Any, loss_mask: Any, 
         raise fail(f"hidden_states must have shape [{num_tokens}, {h}], got {list(final.shape)}")
 
     if meta is not None:
+        if not isinstance(meta, dict):
+            raise fail(f"meta must be a dict (a JSON object), got {type(meta).__name__}")
         try:
             meta = json.dumps(meta, allow_nan=False)
         except (TypeError, ValueError) as e:

@@ -1,8 +1,10 @@
 """Where things live in a store and the zarr v3 metadata documents that describe them.
 
-    zarr.json                                root group; attributes["hsdata"] = StoreSpec.to_dict()
+    zarr.json                                root group; attributes["hsdata"] = StoreSpec.to_dict(),
+                                             attributes["hsdata_provenance"]: the creator's free-form facts
     parts/zarr.json                          group holding one subgroup per writer
-    parts/<part>/zarr.json                   group of one writer (attributes["hsdata_part"]: who, when)
+    parts/<part>/zarr.json                   group of one writer (attributes["hsdata_part"]: when, and the
+                                             provenance of a writer that did not create the store)
     parts/<part>/<tensor>/zarr.json          token-major sharded array
     parts/<part>/<tensor>/c/<s>[/0]          shard s of that array (see shard.py)
     manifests/<part>.<seq>.<xxh3>.parquet    committed sample rows (see manifest.py)
@@ -21,8 +23,11 @@ PARTS = "parts"
 MANIFESTS = "manifests"
 SPEC_ATTRIBUTE = "hsdata"
 PART_ATTRIBUTE = "hsdata_part"
-MAX_METADATA_BYTES = 1 << 20  # a zarr.json hsdata writes is < 4 KiB; a larger one is refused before it is read
+PROVENANCE_ATTRIBUTE = "hsdata_provenance"
+MAX_METADATA_BYTES = 1 << 20  # hsdata writes < 4 KiB plus any provenance; a larger one is refused before it is read
 MAX_JSON_DEPTH = 32  # nesting of arrays and objects in a zarr.json (hsdata's are 6 deep)
+MAX_PROVENANCE_BYTES = 64 << 10  # provenance as encode_json writes it: root and part documents stay < 1 MiB
+MAX_PROVENANCE_DEPTH = MAX_JSON_DEPTH - 3  # so that it fits a part's zarr.json (attributes.hsdata_part.provenance)
 
 
 def metadata_key(node: str) -> str:
@@ -76,7 +81,7 @@ def array_document(spec: StoreSpec, tensor: TensorSpec, num_tokens: int) -> dict
 
 
 def encode_json(document: dict[str, Any]) -> bytes:
-    return json.dumps(document, indent=2).encode()
+    return json.dumps(document, indent=2, allow_nan=False).encode()
 
 
 def read_document(storage, key: str) -> dict[str, Any]:
@@ -128,16 +133,58 @@ def _why_no_root(storage) -> str:
 
 def load_spec(storage) -> StoreSpec:
     """Read and check the root metadata; raise a clear error if ``storage`` holds no hsdata store."""
+    return load_root(storage)[0]
+
+
+def load_root(storage) -> tuple[StoreSpec, dict[str, Any]]:
+    """The store's spec and provenance (empty if none is recorded), from one read of the root metadata."""
     try:
         document = read_document(storage, ROOT_METADATA)
     except (FileNotFoundError, NotADirectoryError):
         raise NotAStoreError(f"{storage.url} is not an hsdata store: {_why_no_root(storage)}") from None
     except IsADirectoryError:
         raise NotAStoreError(f"{storage.url} is not an hsdata store: {ROOT_METADATA} is a directory") from None
-    if SPEC_ATTRIBUTE not in document.get("attributes", {}):
+    attributes = document.get("attributes", {})
+    if SPEC_ATTRIBUTE not in attributes:
         raise NotAStoreError(f"{storage.url} is not an hsdata store: its {ROOT_METADATA} has no "
                              f"attributes.{SPEC_ATTRIBUTE}")
     try:
-        return StoreSpec.from_dict(document["attributes"][SPEC_ATTRIBUTE])
+        spec = StoreSpec.from_dict(attributes[SPEC_ATTRIBUTE])
     except UnsupportedFormatError as e:
         raise UnsupportedFormatError(f"{storage.describe(ROOT_METADATA)}: {e}") from None
+    provenance = attributes.get(PROVENANCE_ATTRIBUTE, {})
+    if not isinstance(provenance, dict):
+        raise CorruptDataError(f"{storage.describe(ROOT_METADATA)}: attributes.{PROVENANCE_ATTRIBUTE} must be a "
+                               f"JSON object, got {type(provenance).__name__}")
+    return spec, provenance
+
+
+def check_provenance(provenance: Any) -> dict[str, Any]:
+    """``provenance`` as it will be stored (tuples as lists): a dict with string keys at every level, JSON
+    without NaN or infinities, at most ``MAX_PROVENANCE_BYTES`` as :func:`encode_json` writes it and at most
+    ``MAX_PROVENANCE_DEPTH`` deep; else ``ValueError`` saying what is wrong."""
+    if not isinstance(provenance, dict):
+        raise ValueError(f"provenance must be a dict (a JSON object), got {type(provenance).__name__}")
+    try:
+        encoded = encode_json(provenance)
+    except RecursionError:
+        raise ValueError(f"provenance is nested deeper than {MAX_PROVENANCE_DEPTH} levels") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"provenance must be JSON-serializable: {e}") from None
+    if len(encoded) > MAX_PROVENANCE_BYTES:
+        raise ValueError(f"provenance is {len(encoded):,} bytes as JSON, more than the {MAX_PROVENANCE_BYTES:,} "
+                         "allowed")
+    stack = [provenance]  # no cycles: json.dumps refused them
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            bad = [key for key in value if not isinstance(key, str)]
+            if bad:
+                raise ValueError(f"provenance keys must be strings, got {bad[0]!r}")
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    stored = json.loads(encoded)
+    if _depth(stored) > MAX_PROVENANCE_DEPTH:
+        raise ValueError(f"provenance is nested deeper than {MAX_PROVENANCE_DEPTH} levels")
+    return stored

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from contextlib import closing
@@ -14,7 +15,7 @@ import torch
 
 from . import manifest, masks, removals, sampling
 from .errors import CorruptDataError
-from .layout import (MAX_METADATA_BYTES, array_node, load_spec, metadata_key, parse_document, read_document,
+from .layout import (MAX_METADATA_BYTES, array_node, load_root, metadata_key, parse_document, read_document,
                      shard_key)
 from .pool import ProcessLocalPool
 from .shard import CRC_NBYTES, ShardRange, chunks_per_shard, encoded_chunk_nbytes, index_nbytes, token_ranges
@@ -30,6 +31,7 @@ DEFAULT_RANGE_BYTES = 8 << 20  # within S3's guidance of 8-16 MB per ranged GET
 DEFAULT_CACHE_BYTES = 64 << 30
 IDLE_BUFFER_BYTES = 1 << 30  # sample buffers kept for reuse once their tensors are gone
 INLINE_READ_BYTES = 1 << 20  # smaller samples are read on the calling thread
+FIELD_NAMES = (*TENSOR_NAMES, "meta")  # what ``fields`` of Store.read may name
 
 
 def open(url: str, *, storage_options: dict | None = None, verify: bool = True, concurrency: int | None = None,
@@ -48,22 +50,25 @@ def open(url: str, *, storage_options: dict | None = None, verify: bool = True, 
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir is not None else None
     storage = Storage(url, storage_options, max_requests=concurrency or REMOTE_CONCURRENCY, cache=cache)
-    spec = load_spec(storage)  # first: a path that holds no store says so before any table is read
+    spec, provenance = load_root(storage)  # first: a path that holds no store says so before any table is read
     rows = removals.load(storage).drop_rows(manifest.load(storage))
     return Store(storage, spec, rows, masks.load(storage), verify=verify, concurrency=concurrency,
-                 range_bytes=range_bytes)
+                 range_bytes=range_bytes, provenance=provenance)
 
 
 class Store:
     """A read-only view of the samples committed when the store was opened."""
 
     def __init__(self, storage: Storage, spec: StoreSpec, rows: pa.Table, added_masks: dict[str, bytes], *,
-                 verify: bool = True, concurrency: int | None = None, range_bytes: int = DEFAULT_RANGE_BYTES):
-        """``concurrency``: I/O threads for a local store (a remote one's limit is ``storage.max_requests``)."""
+                 verify: bool = True, concurrency: int | None = None, range_bytes: int = DEFAULT_RANGE_BYTES,
+                 provenance: dict[str, Any] | None = None):
+        """``concurrency``: I/O threads for a local store (a remote one's limit is ``storage.max_requests``);
+        ``provenance``: the root metadata's (``layout.load_root``)."""
         concurrency = LOCAL_CONCURRENCY if concurrency is None else concurrency
         if concurrency < 1 or range_bytes < 1:
             raise ValueError(f"concurrency and range_bytes must be positive, got {concurrency} and {range_bytes}")
         self.spec = spec
+        self.provenance: dict[str, Any] = provenance or {}  # what the store's creator recorded (hsdata.create)
         self.verify = verify
         self._storage = storage
         self._pool = ProcessLocalPool(concurrency, "hsdata-read")
@@ -78,6 +83,7 @@ class Store:
         self._offsets = self.manifest.column("token_offset").to_numpy()
         self.lengths: np.ndarray = self.manifest.column("num_tokens").to_numpy()
         self._hashes = manifest.row_hashes(self.manifest)
+        self._meta = self.manifest.column("meta")
         self._has_loss_mask = manifest.has_loss_mask(self.manifest)
         self._added_masks = added_masks
         self._array_tokens = _array_tokens(storage, spec, self._part_names)  # read now: a later epoch may read
@@ -128,10 +134,25 @@ class Store:
     def get(self, sample_id: str, fields: Iterable[str] | None = None) -> dict[str, Any]:
         return self.read(self.index(sample_id), fields)
 
+    def meta(self, i: int) -> dict[str, Any] | None:
+        """The ``meta`` dict sample ``i`` was added with; None if it had none."""
+        i = self._position(i)
+        text = self._meta[i].as_py()
+        if text is None:
+            return None
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise CorruptDataError(f"sample {self._ids[i]!r}: its meta is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise CorruptDataError(f"sample {self._ids[i]!r}: its meta must be a JSON object, got "
+                                   f"{type(value).__name__}")
+        return value
+
     def read(self, i: int, fields: Iterable[str] | None = None, *, shared: bool = False) -> dict[str, Any]:
         """Sample ``i`` as a dict of torch tensors: ``input_ids`` int64 [T], ``loss_mask`` uint8 [T],
         ``aux_hidden_states`` [T, K*H] and ``hidden_states`` [T, H] in the stored dtype (``spec.dtype``: bfloat16,
-        float16 or float32); ``fields`` picks a subset.
+        float16 or float32); ``fields`` picks a subset, and may name ``meta`` (:meth:`meta`) too.
         ``loss_mask`` comes from the sample, else from masks added later (``hsdata.add_loss_masks``), else is None.
         With ``shared``, tensors are read straight into shared memory, so a DataLoader worker sends them to the
         main process without copying."""
@@ -188,14 +209,15 @@ class Store:
         """The output buffers of sample ``i`` and the ranges to read into them, in byte order of each tensor."""
         part, offset, length = self.location(i)
         with_mask = self._has_loss_mask[i]
-        tensors = [self.spec.tensor(n) for n in names if n != "loss_mask" or with_mask]
+        tensors = [self.spec.tensor(n) for n in names if n in TENSOR_NAMES and (n != "loss_mask" or with_mask)]
         for tensor in tensors:
             self._check_extent(self._ids[i], part, offset, length, tensor)
         if shared:
             outputs = [torch.empty(length * t.row_nbytes, dtype=torch.uint8).share_memory_() for t in tensors]
         else:
             outputs = [self._buffers.take(length * t.row_nbytes) for t in tensors]
-        plan = _Plan(i, self._ids[i], tensors, outputs, [manifest.content_hasher() for _ in tensors])
+        plan = _Plan(i, self._ids[i], tensors, outputs, [manifest.content_hasher() for _ in tensors],
+                     with_meta="meta" in names)
         if "loss_mask" in names and not with_mask:
             plan.mask_added_later, plan.added_mask = True, self._added_masks.get(self._ids[i])
         for k, (tensor, output) in enumerate(zip(tensors, outputs)):
@@ -211,6 +233,8 @@ class Store:
         """Check the read sample's hashes and shape its tensors."""
         i, sample_id = plan.position, plan.sample_id
         out: dict[str, Any] = {"sample_id": sample_id}
+        if plan.with_meta:
+            out["meta"] = self.meta(i)
         if plan.mask_added_later:
             added = plan.added_mask
             if added is not None and len(added) != self.lengths[i]:
@@ -314,6 +338,7 @@ class _Plan:
     tensors: list[TensorSpec]
     outputs: list[torch.Tensor]
     hashers: list
+    with_meta: bool = False
     reads: list[_Read] = field(default_factory=list)
     mask_added_later: bool = False  # loss_mask wanted, from hsdata.add_loss_masks (added_mask; None: none added)
     added_mask: bytes | None = None
@@ -345,9 +370,9 @@ def _check_fields(fields: Iterable[str] | None) -> tuple[str, ...]:
     if fields is None:
         return TENSOR_NAMES
     names = tuple([fields] if isinstance(fields, str) else fields)
-    unknown = [n for n in names if n not in TENSOR_NAMES]
+    unknown = [n for n in names if n not in FIELD_NAMES]
     if unknown or not names:
-        raise ValueError(f"unknown fields {unknown}; choose from {', '.join(TENSOR_NAMES)}")
+        raise ValueError(f"unknown fields {unknown}; choose from {', '.join(FIELD_NAMES)}")
     return names
 
 

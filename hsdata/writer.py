@@ -16,8 +16,9 @@ from typing import Any
 
 from . import inputs, manifest, removals
 from .errors import DuplicateSampleError, WriterError
-from .layout import (MANIFESTS, PART_ATTRIBUTE, PARTS, ROOT_METADATA, SPEC_ATTRIBUTE, array_document, array_node,
-                     encode_json, group_document, load_spec, metadata_key, part_node, shard_key)
+from .layout import (MANIFESTS, PART_ATTRIBUTE, PARTS, PROVENANCE_ATTRIBUTE, ROOT_METADATA, SPEC_ATTRIBUTE,
+                     array_document, array_node, check_provenance, encode_json, group_document, load_root,
+                     metadata_key, part_node, shard_key)
 from .shard import ShardEncoder
 from .spec import StoreSpec
 from .storage import Storage
@@ -28,7 +29,7 @@ DEFAULT_MAX_PENDING_BYTES = 1 << 30
 def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None = None, *,
            dtype: Any = "bfloat16", compute_dtype: Any = None, vocab_size: int | None = None,
            shard_tokens: int | None = None, chunk_tokens: int | None = None, storage_options: dict | None = None,
-           max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> Writer:
+           max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, provenance: dict | None = None) -> Writer:
     """Create a store at ``url`` (any fsspec URL), or join an existing one with the same spec as a new writer.
 
     ``aux_layers`` are "output of layer k" ids (HF ``hidden_states[k + 1]``). ``dtype`` is how the hidden states
@@ -36,31 +37,43 @@ def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None 
     "float16", "float32" or the torch dtype; float32 may be stored as bfloat16 or float16, converted by ``add``.
     Joining a store whose model facts or dtypes differ raises :class:`SpecMismatchError`; layout sizes left as
     None are taken from the store.
+
+    ``provenance`` is free-form JSON about how the data was made (tokenizer, data source, command, ...; string
+    keys, at most 64 KiB): recorded in the root metadata by the writer that creates the store (``Store.provenance``,
+    ``hsdata info``), in this writer's part otherwise. Checked before anything is written (``ValueError``).
     """
     if max_pending_bytes <= 0:
         raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
+    provenance = None if provenance is None else check_provenance(provenance)
     requested = StoreSpec.new(hidden_size, aux_layers, model, dtype=dtype, compute_dtype=compute_dtype,
                               vocab_size=vocab_size, shard_tokens=shard_tokens, chunk_tokens=chunk_tokens)
     storage = Storage(url, storage_options)
     if not storage.exists(ROOT_METADATA):
-        root = group_document({SPEC_ATTRIBUTE: requested.to_dict()})
+        attributes = {SPEC_ATTRIBUTE: requested.to_dict()}
+        if provenance:
+            attributes[PROVENANCE_ATTRIBUTE] = provenance
+        root = group_document(attributes)
         storage.write_bytes(ROOT_METADATA, encode_json(root), exclusive=True)  # a concurrent creator may win
-    spec = load_spec(storage)
+    spec, root_provenance = load_root(storage)
     explicit = {name for name, value in (("shard_tokens", shard_tokens), ("chunk_tokens", chunk_tokens)) if value}
     spec.check_joinable(requested, explicit=explicit)
     committed = removals.load(storage).drop_rows(manifest.load(storage)).column("sample_id").to_pylist()
-    return Writer(storage, spec, committed_ids=committed, max_pending_bytes=max_pending_bytes)
+    part_provenance = provenance if provenance and provenance != root_provenance else None  # joined it
+    return Writer(storage, spec, committed_ids=committed, max_pending_bytes=max_pending_bytes,
+                  provenance=part_provenance)
 
 
 class Writer:
     """Adds samples to one part of a store. Use as a context manager, or call ``close()``."""
 
-    def __init__(self, storage: Storage, spec: StoreSpec, *, committed_ids: list[str], max_pending_bytes: int):
+    def __init__(self, storage: Storage, spec: StoreSpec, *, committed_ids: list[str], max_pending_bytes: int,
+                 provenance: dict | None = None):
+        """``provenance``: recorded in this writer's part (``hsdata_part.provenance``) at its first commit."""
         self.spec = spec
         self.part = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
         self._ids = set(committed_ids)
         self._queue = _PendingQueue(max_pending_bytes)
-        self._part = _PartWriter(storage, spec, self.part)
+        self._part = _PartWriter(storage, spec, self.part, provenance)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"hsdata-writer-{self.part}", daemon=True)
         self._thread.start()
@@ -216,10 +229,11 @@ class _PendingQueue:
 class _PartWriter:
     """Background-thread state of one part: the open shard, samples written but not committed, commits."""
 
-    def __init__(self, storage: Storage, spec: StoreSpec, part: str):
+    def __init__(self, storage: Storage, spec: StoreSpec, part: str, provenance: dict | None):
         self.storage = storage
         self.spec = spec
         self.part = part
+        self.provenance = provenance
         self.num_committed = 0
         self._next_token = 0  # where the next sample starts in this part's arrays
         self._shard: int | None = None  # the shard being written
@@ -299,8 +313,11 @@ class _PartWriter:
             return
         if self._seq == 0:
             self.storage.write_bytes(metadata_key(PARTS), encode_json(group_document()))
-            info = {PART_ATTRIBUTE: {"created": manifest.now().isoformat(), "manifests": MANIFESTS}}
-            self.storage.write_bytes(metadata_key(part_node(self.part)), encode_json(group_document(info)))
+            info = {"created": manifest.now().isoformat(), "manifests": MANIFESTS}
+            if self.provenance:
+                info["provenance"] = self.provenance
+            document = group_document({PART_ATTRIBUTE: info})
+            self.storage.write_bytes(metadata_key(part_node(self.part)), encode_json(document))
         tokens = max(r.token_offset + r.num_tokens for r in complete)
         if tokens > self._array_tokens:
             for tensor in self.spec.tensors:

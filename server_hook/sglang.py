@@ -23,9 +23,11 @@ from typing import Any, Callable
 import torch
 
 import hsdata
+from hsdata import capture as capture_module
 from hsdata.capture import Capture, Piece, vocab_size
 from hsdata.client import RID_PREFIX
 from hsdata.dtypes import hidden_dtype
+from hsdata.layout import check_provenance
 
 log = logging.getLogger("hsdata.server_hook")
 SGLANG_HEALTH_CHECK = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX: rids of its health probes
@@ -43,6 +45,7 @@ class HookConfig:
     storage_options: dict = field(default_factory=dict)
     flush_interval_s: float = 5.0
     max_staged_bytes: int = 4 << 30  # host memory for rows copied off the GPU and not yet written
+    provenance: dict | None = None  # recorded in the store's provenance over what the hook records itself
 
     @classmethod
     def parse(cls, config: Any) -> HookConfig:
@@ -58,6 +61,11 @@ class HookConfig:
             raise ValueError("hsdata hook: \"rid_prefix\" must be a string")
         if config.get("store_dtype") is not None:
             hidden_dtype("hsdata hook: store_dtype", config["store_dtype"])
+        if config.get("provenance") is not None:
+            try:
+                check_provenance(config["provenance"])
+            except ValueError as e:
+                raise ValueError(f"hsdata hook: {e}") from None
         parsed = cls(**config)
         if parsed.flush_interval_s <= 0 or parsed.max_staged_bytes <= 0:
             raise ValueError("hsdata hook: flush_interval_s and max_staged_bytes must be positive")
@@ -141,16 +149,28 @@ class PrefillHook:
         if len(layers) * hidden != width:
             raise ValueError(f"hsdata hook: aux_layers {layers} give {len(layers)} x {hidden} columns, but the "
                              f"model passes {width}: set \"aux_layers\" in the hook config")
-        writer = hsdata.create(self.config.store, hidden_size=hidden, aux_layers=list(layers),
-                               model=self.config.model or _server_model(), dtype=self.config.store_dtype or final.dtype,
-                               compute_dtype=final.dtype, vocab_size=vocab_size(module),
-                               storage_options=self.config.storage_options)
+        model = self.config.model or _server_model()
+        provenance = {**self._provenance(model, list(layers), final), **(self.config.provenance or {})}
+        writer = hsdata.create(self.config.store, hidden_size=hidden, aux_layers=list(layers), model=model,
+                               dtype=self.config.store_dtype or final.dtype, compute_dtype=final.dtype,
+                               vocab_size=vocab_size(module), storage_options=self.config.storage_options,
+                               provenance=provenance)
         capture = Capture(writer, flush_interval_s=self.config.flush_interval_s,
                           max_staged_bytes=self.config.max_staged_bytes)
         atexit.register(self.close)
         log.info("hsdata: storing prefill hidden states in %s (part %s, computed in %s, stored as %s)",
                  self.config.store, writer.part, writer.spec.compute_dtype, writer.spec.dtype)
         return capture
+
+    def _provenance(self, model: str | None, aux_layers: list[int], final: torch.Tensor) -> dict[str, Any]:
+        """What the hook knows about the extraction: engine, versions, host and time, the model, the dtype and
+        device it computes in, the store dtype and aux layers it stores (the client's data and tokenizer never
+        reach the server)."""
+        import sglang
+
+        return {**capture_module.provenance("sglang", sglang.__version__), "model": model,
+                "dtype": str(final.dtype).removeprefix("torch."), "device": str(final.device),
+                "store_dtype": self.config.store_dtype, "aux_layers": aux_layers}
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
