@@ -1,4 +1,5 @@
-"""Sample orders as small pure functions: shard-aware shuffling and the split across ranks.
+"""Sample orders as small pure functions: shard-aware shuffling, the split across ranks, held-out splits and
+mixtures of sources.
 
 An epoch's order is a function of (storage order, seed, epoch) alone, the same on every rank and for every world
 size, so resuming is: recompute the order, skip what was consumed, split the rest among the ranks there are now.
@@ -6,7 +7,10 @@ size, so resuming is: recompute the order, skip what was consumed, split the res
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
+import xxhash
 
 
 def storage_order(parts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -84,3 +88,52 @@ def token_budget_batches(order: np.ndarray, lengths: np.ndarray, *, max_tokens: 
         pieces = np.split(run, cut)
         batches += [pieces[b] for b in rng.permutation(len(pieces))]
     return batches
+
+
+def held_out(sample_ids: list[str], fraction: float, *, seed: int) -> np.ndarray:
+    """Which samples a ``fraction`` split holds out: xxh3-64 of the id (seeded) below ``fraction * 2**64``.
+
+    A sample's side depends on its id and the seed alone, so it stays put when the store grows or is reordered.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"the held-out fraction must be in [0, 1], got {fraction}")
+    if not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    hashes = np.fromiter((xxhash.xxh3_64_intdigest(s.encode(), seed) for s in sample_ids), dtype=np.uint64,
+                         count=len(sample_ids))
+    return hashes < np.uint64(min(int(fraction * 2**64), 2**64 - 1)) if fraction < 1.0 else np.ones(len(hashes), bool)
+
+
+def mixture_counts(weights, total: int) -> np.ndarray:
+    """Samples each source gives an epoch of ``total``: proportional to ``weights``, rounded by largest remainder
+    (ties to the earlier source), so they sum to ``total`` exactly."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or len(w) == 0 or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"weights must be non-negative finite numbers, not all zero, got {list(weights)}")
+    if not isinstance(total, (int, np.integer)) or total < 0:
+        raise ValueError(f"samples per epoch must be an int >= 0, got {total!r}")
+    exact = w / w.sum() * int(total)
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact, kind="stable")[: int(total) - int(counts.sum())]] += 1
+    return counts
+
+
+def stream_slice(pass_order: Callable[[int], np.ndarray], size: int, start: int, count: int) -> np.ndarray:
+    """Positions ``[start, start + count)`` of the endless stream ``pass_order(0), pass_order(1), ...`` (each pass
+    an order of ``size`` items): a source drawn ``count`` times an epoch sees every item before any repeats."""
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
+    first, last = start // size, (start + count - 1) // size
+    stream = np.concatenate([pass_order(p) for p in range(first, last + 1)])
+    return stream[start - first * size :][:count]
+
+
+def interleave(counts: np.ndarray, *, seed: int, epoch: int) -> np.ndarray:
+    """The source of each position of a mixed epoch: ``counts[k]`` times ``k``, spread uniformly at random."""
+    rng = np.random.default_rng([seed, epoch, 2])
+    return rng.permutation(np.repeat(np.arange(len(counts)), counts))
+
+
+def source_seed(seed: int, source: int) -> int:
+    """The seed of one source of a mixture: distinct sources get unrelated orders."""
+    return int(np.random.SeedSequence([seed, source]).generate_state(1)[0])
