@@ -3,8 +3,10 @@ server, both on loopback and started here; faults injected into the HTTP server'
 
 from __future__ import annotations
 
+import functools
 import http.server
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -68,26 +70,6 @@ def test_s3_store_reads_back_bit_exact_and_validates(s3, s3_store):
     assert done.returncode == 0, done.stdout + done.stderr
     info = hsdata_cli("info", s3_store, "--storage-option", endpoint)
     assert info.returncode == 0 and re.search(r"samples +40 in 1 part", info.stdout), info.stdout + info.stderr
-
-
-@pytest.mark.parametrize("workers, start_method, used_first", [(0, None, False), (2, "spawn", False),
-                                                               (2, "fork", False), (2, "fork", True)])
-def test_dataset_epoch_from_s3(s3, s3_store, workers, start_method, used_first):
-    """Workers of each start method read the remote store, also when the parent read from it first (a forked
-    child inherits the parent's fsspec filesystem and its event loop, which it must not use)."""
-    dataset = Eagle3Dataset(s3_store, storage_options=s3["options"], max_length=64)
-    if used_first:
-        dataset[0]
-    loader = DataLoader(dataset, batch_size=4, sampler=ShardAwareSampler(dataset, seed=3), collate_fn=collate_eagle3,
-                        num_workers=workers, multiprocessing_context=start_method)
-    seen = []
-    for batch in loader:
-        for b, sample_id in enumerate(batch["sample_id"]):
-            n = min(64, len(SAMPLES[sample_id]["input_ids"]))
-            assert_same({"aux_hidden_states": batch["aux_hidden_states"][b, :n]},
-                        {"aux_hidden_states": SAMPLES[sample_id]["aux_hidden_states"][:n]})
-            seen.append(sample_id)
-    assert sorted(seen) == sorted(SAMPLES)
 
 
 def test_a_corrupt_object_on_s3_raises_and_validate_reports_it(s3, tmp_path):
@@ -177,6 +159,72 @@ def http_store(tmp_path):
     _RangeHandler.attempts = {}
     yield f"http://127.0.0.1:{server.server_address[1]}/store"
     server.shutdown()
+
+
+class _PlainRangeHandler(RangeFilesHandler):
+    """Static files with HTTP Range support and no faults (``_RangeHandler.faults`` does not reach it)."""
+
+    def serve_file(self, path: str, head: bool) -> None:
+        if not os.path.isfile(path):
+            return self.send_error(404)
+        status, headers, body = range_answer(path, self.headers.get("Range"))
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+
+@pytest.fixture(scope="module")
+def http_read_only_store(tmp_path_factory):
+    """The store of ``SAMPLES`` served over HTTP for the whole module, for tests that only read it (one store
+    written and one server started for all of them; DataLoader workers reach it over loopback)."""
+    root = tmp_path_factory.mktemp("http")
+    write_store(root / "store", SAMPLES)
+    server = _Server(("127.0.0.1", 0), functools.partial(_PlainRangeHandler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/store"
+    server.shutdown()
+    server.server_close()
+
+
+_EPOCHS = [("s3", None, False)] + [(protocol, start_method, used_first) for protocol in ("s3", "http")
+                                   for start_method in ("fork", "spawn", "forkserver") for used_first in (False, True)]
+
+
+@pytest.mark.parametrize("protocol, start_method, used_first", _EPOCHS,
+                         ids=[f"{p}-{m or 'no_workers'}{'-used_first' if u else ''}" for p, m, u in _EPOCHS])
+def test_dataset_epoch_from_a_remote_store(request, protocol, start_method, used_first):
+    """An epoch through a DataLoader (two workers of each start method, or none) returns every sample of the
+    remote store once, bit-exact; also when the parent read from the dataset before the workers started (a
+    forked child inherits the parent's fsspec filesystem, its event loop and connections, and the read-ahead's
+    thread pool, none of which it may use; spawn and forkserver workers get the dataset pickled, as its URL and
+    options)."""
+    if protocol == "s3":
+        url, options = request.getfixturevalue("s3_store"), request.getfixturevalue("s3")["options"]
+    else:
+        url, options = request.getfixturevalue("http_read_only_store"), None
+    if start_method == "forkserver":
+        # Modules only, as a training script run as `python train.py` has them (the forkserver imports its
+        # __main__): imported once by the server, not by each worker (seconds each); no effect once it runs.
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["hsdata.torch", "s3fs"])
+    dataset = Eagle3Dataset(url, storage_options=options)
+    if used_first:  # a batch, as a DataLoader without workers reads it: on the dataset's read-ahead threads
+        for item in dataset.__getitems__([0, 1, 2, 3]):
+            assert_same(item, SAMPLES[item["sample_id"]])
+    loader = DataLoader(dataset, batch_size=4, sampler=ShardAwareSampler(dataset, seed=3), collate_fn=collate_eagle3,
+                        num_workers=2 if start_method else 0, multiprocessing_context=start_method,
+                        timeout=120 if start_method else 0)  # a worker that hangs fails the test
+    seen = []
+    for batch in loader:
+        for b, sample_id in enumerate(batch["sample_id"]):
+            want = SAMPLES[sample_id]
+            n = len(want["input_ids"])
+            assert_same({name: batch[name][b, :n] for name in want}, want)
+            assert batch["attention_mask"][b].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
+            seen.append(sample_id)
+    assert sorted(seen) == sorted(SAMPLES)
 
 
 def test_http_store_is_readable_and_5xx_responses_are_retried(http_store, monkeypatch):
