@@ -170,10 +170,12 @@ def test_samples_commit_within_the_flush_interval(tmp_path):
 
     model, hook = hooked_model(tmp_path / "store", flush_interval_s=0.2)
     forward(model, ForwardMode.EXTEND, [("early", 0, 5)], {"early": make_sample(5, 1)})
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not (tmp_path / "store" / "manifests").exists():
+    deadline = time.monotonic() + 30  # generous: a loaded CI machine; a commit takes 0.2 s plus the fsyncs
+    while time.monotonic() < deadline and not (tmp_path / "store" / "zarr.json").exists():
         time.sleep(0.05)
-    assert hsdata.open(str(tmp_path / "store")).sample_ids == ["early"]  # visible before shutdown
+    while time.monotonic() < deadline and not len(hsdata.open(str(tmp_path / "store"))):
+        time.sleep(0.05)
+    assert list(hsdata.open(str(tmp_path / "store")).sample_ids) == ["early"]  # visible before shutdown
     hook.close()
 
 
