@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -89,7 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     extract.add_argument("--out", required=True, help="the store to write (path or fsspec URL)")
     extract.add_argument("--aux-layers", type=int, nargs="+", metavar="K",
                          help="--engine hf: \"output of layer k\" ids (default: EAGLE-3's [1, N//2-1, N-4])")
-    extract.add_argument("--device", type=_device, default="cpu", help="--engine hf: torch device (cpu)")
+    extract.add_argument("--device", type=_device, default="cpu",
+                         help="--engine hf: torch device (cpu); under torchrun, cuda is each rank's cuda:LOCAL_RANK")
+    extract.add_argument("--device-map", choices=["auto"],
+                         help="--engine hf: spread one model (a local --model folder) over this node's GPUs with "
+                              "accelerate, instead of --device; under torchrun each rank of the node takes its own "
+                              "block of GPUs")
+    extract.add_argument("--rank-timeout", type=_positive_int, default=3600, metavar="SECONDS",
+                         help="--engine hf under torchrun: how long a rank waits for the others, at the start and "
+                              "at the end (3600)")
     extract.add_argument("--dtype", default="bfloat16", choices=HIDDEN_DTYPES,
                          help="--engine hf: the dtype the model runs in (bfloat16)")
     extract.add_argument("--store-dtype", choices=HIDDEN_DTYPES,
@@ -106,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="--engine hf: recorded in the store's provenance over the automatic entries "
                               "(repeatable); VALUE is parsed as JSON when it can be")
     _add_storage_options(extract)
+    _add_migrate_commands(commands)
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
@@ -114,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return {"info": _info, "validate": _validate, "gc": _gc, "extract": _extract, "show": _show,
-                "remove": _remove}[args.command](args)
+                "remove": _remove, "import": _import, "export": _export}[args.command](args)
     except (HsdataError, OSError, ValueError, MemoryError) as e:
         message = " ".join(str(e).split())
         print(f"hsdata {args.command}: error: {message}", file=sys.stderr)
@@ -123,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-EXIT_CODES = ("exit codes: 0 success; 1 problems found (validate) or failed samples (extract); 2 bad arguments, "
+EXIT_CODES = ("exit codes: 0 success; 1 problems found (validate), failed samples (extract, export) or bad source "
+              "files (import, unless --skip-bad); 2 bad arguments, "
               "not a readable store, bad store contents, or gc refusing to delete anything because what is "
               "committed is unclear (one line on stderr; with --json also {\"error\": {\"type\": ..., "
               "\"message\": ...}} on stdout)")
@@ -375,14 +386,96 @@ def _extract_from_server(args: argparse.Namespace) -> int:
 
 
 def _extract_in_process(args: argparse.Namespace) -> int:
+    from . import distributed
+
+    job = distributed.from_environment()
+    if job is not None:
+        return _extract_rank(args, job)
+    summary, _, _ = _run_engine(args)
+    for sample_id, why in summary.failed.items():
+        print(f"failed: sample {sample_id!r}: {why}")
+    rate = summary.tokens / max(summary.seconds, 1e-9)
+    print(f"{'OK' if summary.ok else 'FAILED'}: {summary.total:,} samples: {summary.skipped:,} already in the store, "
+          f"{summary.written:,} written ({summary.tokens:,} tokens, {rate:,.0f} tokens/s), "
+          f"{len(summary.failed):,} failed, in {summary.seconds:.1f} s")
+    return 0 if summary.ok else 1
+
+
+def _extract_rank(args: argparse.Namespace, job) -> int:
+    """One rank of a torchrun job: rank 0 reads what is committed and tells the others, each rank runs its share
+    into its own part, and rank 0 prints every rank's report and the job's totals. Each rank exits with its own
+    status: a rank that raises reports its error to rank 0 and to torchrun (which names it), then raises it."""
+    import socket
+
+    from . import distributed, engine_hf
+
+    options = _storage_options(args.storage_option)
+    distributed.start(job, args.rank_timeout)
+    try:
+        committed = distributed.from_rank0(lambda: engine_hf.committed_ids(args.out, options))
+        error, summary = None, None
+        try:
+            summary, token_bytes, where = _run_engine(args, job, committed)
+            report = (summary, token_bytes, f"{socket.gethostname()} {where}", None)
+        except Exception as e:  # noqa: BLE001 - reported to rank 0, then raised
+            error = e
+            report = (None, 0, socket.gethostname(), f"{type(e).__name__}: {' '.join(str(e).split())}")
+            distributed.record_error(e)
+        reports = distributed.gather(report)
+        if reports is not None:
+            _print_job(reports, lambda: len(engine_hf.committed_ids(args.out, options)))
+        sys.stdout.flush()
+        distributed.barrier()  # torchrun stops every rank once one exits non-zero: not before rank 0 has printed
+    finally:
+        distributed.stop()
+    if error is not None:
+        raise error
+    return 0 if summary.ok else 1
+
+
+def _print_job(reports: list, stored: Callable[[], int]) -> None:
+    """Print a job's summary from every rank's ``(summary, token_bytes, where, error)``; ``stored()`` counts
+    the samples in the store (asked only when a rank failed)."""
+    summaries = [summary for summary, _, _, _ in reports if summary is not None]
+    failed = {sid: why for summary in summaries for sid, why in summary.failed.items()}  # tokenizing: every rank
+    for sample_id, why in failed.items():
+        print(f"failed: sample {sample_id!r}: {why}")
+    for rank, (summary, _, where, error) in enumerate(reports):
+        if error is not None:
+            print(f"rank {rank} ({where}): FAILED: {error}")
+        else:
+            rate = summary.tokens / max(summary.seconds, 1e-9)
+            print(f"rank {rank} ({where}): {summary.written:,} written ({summary.tokens:,} tokens, "
+                  f"{rate:,.0f} tokens/s) in {summary.seconds:.1f} s")
+    errors = sum(error is not None for *_, error in reports)
+    total, skipped = (summaries[0].total, summaries[0].skipped) if summaries else (0, 0)
+    written, tokens = sum(s.written for s in summaries), sum(s.tokens for s in summaries)
+    seconds = max([s.seconds for s in summaries], default=0.0)
+    nbytes = sum(s.tokens * token_bytes for s, token_bytes, _, _ in reports if s is not None)
+    ok = not failed and not errors
+    print(f"{'OK' if ok else 'FAILED'}: {total:,} samples: {skipped:,} already in the store, {written:,} written "
+          f"({tokens:,} tokens, {tokens / max(seconds, 1e-9):,.0f} tokens/s, "
+          f"{human_bytes(nbytes / max(seconds, 1e-9))}/s), {len(failed):,} failed, in {seconds:.1f} s, "
+          f"by {len(reports)} ranks ({errors} failed)")
+    if errors:
+        print(f"the store holds {stored():,} samples; the same command, with any number of ranks, does the rest")
+
+
+def _run_engine(args: argparse.Namespace, job=None, committed=None):
+    """Load the model and data and run :func:`engine_hf.extract` (this rank's share in a job): the summary,
+    the bytes stored per token, and where the model runs."""
     import torch
 
-    from . import demo, engine_hf
+    from . import demo, distributed, engine_hf
 
     store_dtype = args.store_dtype or args.dtype
     check_pair(store_dtype, args.dtype)
     given = check_provenance(_key_values(args.provenance, "--provenance"))  # before the model is loaded
     dtype = getattr(torch, args.dtype)
+    if args.device_map and (args.model is None or args.model.endswith(".json")):
+        raise ValueError("--device-map needs --model, a local model folder")
+    placement = distributed.device_map(job) if args.device_map else None
+    device = distributed.device(args.device, job)
     if args.model is None:
         status("training the demo tokenizer ...")
         tokenizer = demo.tokenizer()
@@ -400,10 +493,15 @@ def _extract_in_process(args: argparse.Namespace) -> int:
         if args.model.endswith(".json"):
             torch.manual_seed(args.seed)
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+        elif placement:
+            model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype=dtype, **placement)
         else:
             model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True)
         tokenizer = None
-    model = model.to(device=args.device, dtype=dtype).eval()
+    if not placement:
+        model = model.to(device=device, dtype=dtype)
+    model = model.eval()
+    where = ",".join(sorted({str(p.device) for p in model.parameters()}))
     status(f"reading data {data} ...")
     records = list(read_jsonl(data))
     if tokenizer is None and any(r.messages is not None for r in records):
@@ -418,25 +516,24 @@ def _extract_in_process(args: argparse.Namespace) -> int:
     bars: list[Progress] = []
 
     def on_plan(samples: int, tokens: int) -> None:
-        bars.append(Progress("extract", unit="tok", total=tokens, samples=samples, unit_bytes=token_bytes))
+        if job is None or job.rank == 0:  # one bar on the terminal: rank 0's share
+            bars.append(Progress("extract", unit="tok", total=tokens, samples=samples, unit_bytes=token_bytes))
+
+    def on_batch(samples: int, tokens: int) -> None:
+        for bar in bars:
+            bar.update(tokens, samples)
 
     status(f"tokenizing {len(records):,} records ...")
     try:
         summary = engine_hf.extract(model, tokenizer, records, args.out, model_name=name, aux_layers=args.aux_layers,
                                     max_batch_tokens=args.max_batch_tokens, store_dtype=store_dtype,
                                     storage_options=_storage_options(args.storage_option), on_plan=on_plan,
-                                    on_batch=lambda samples, tokens: bars[0].update(tokens, samples),
-                                    provenance=provenance)
+                                    on_batch=on_batch, provenance=provenance, committed=committed,
+                                    share=None if job is None else (job.rank, job.world_size))
     finally:
         for bar in bars:
             bar.close()
-    for sample_id, why in summary.failed.items():
-        print(f"failed: sample {sample_id!r}: {why}")
-    rate = summary.tokens / max(summary.seconds, 1e-9)
-    print(f"{'OK' if summary.ok else 'FAILED'}: {summary.total:,} samples: {summary.skipped:,} already in the store, "
-          f"{summary.written:,} written ({summary.tokens:,} tokens, {rate:,.0f} tokens/s), "
-          f"{len(summary.failed):,} failed, in {summary.seconds:.1f} s")
-    return 0 if summary.ok else 1
+    return summary, token_bytes, where
 
 
 def _load_tokenizer(name: str | None):
@@ -446,6 +543,127 @@ def _load_tokenizer(name: str | None):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name)
+
+
+def _add_migrate_commands(commands) -> None:
+    """``hsdata import`` and ``hsdata export`` (docs/migrating.md)."""
+    from .formats import FORMAT_NAMES
+
+    imp = commands.add_parser("import", help="copy a SpecForge, ModelOpt or speculators dump into a store, verified; "
+                              "exit 1 if bad source files were found (unless --skip-bad)")
+    imp.add_argument("--from", dest="fmt", required=True, choices=FORMAT_NAMES, help="the dump's format")
+    imp.add_argument("src", help="the dump's folder")
+    imp.add_argument("dest", help="the store to write or extend (path or fsspec URL)")
+    imp.add_argument("--aux-layers", type=int, nargs="+", metavar="K",
+                     help="the aux layers' ids, in the order the dump concatenates them (default with --model: "
+                          "EAGLE-3's [1, N//2-1, N-4] as \"output of layer k\" ids)")
+    imp.add_argument("--layer-ids", choices=["output", "input"], default="output",
+                     help="--aux-layers counts \"output of layer k\" (hsdata, HF hidden_states[k+1]; the default) "
+                          "or \"input of layer k\" (SGLang/vLLM, HF hidden_states[k]) ids")
+    imp.add_argument("--model", metavar="NAME_OR_PATH",
+                     help="the target model, recorded in the store; a local folder or config.json also gives the "
+                          "layer count (default --aux-layers) and vocab_size")
+    imp.add_argument("--shard", type=_shard, default=(0, 1), metavar="K/N",
+                     help="import only the files whose index in the sorted listing is K modulo N (run N processes "
+                          "K = 0..N-1 into one store)")
+    imp.add_argument("--skip-bad", action="store_true",
+                     help="bad source files are skipped and listed, and do not make the exit status 1")
+    imp.add_argument("--commit-bytes", type=_positive_int, default=1 << 30, metavar="BYTES",
+                     help="commit and verify after about this many source bytes (1 GiB)")
+    imp.add_argument("--json", action="store_true", help="print the summary as one JSON document")
+    _add_storage_options(imp)
+
+    exp = commands.add_parser("export", help="write a store in a trainer's old layout (SpecForge, ModelOpt, "
+                              "speculators), bit for bit; a rerun skips files already written")
+    exp.add_argument("--to", dest="fmt", required=True, choices=FORMAT_NAMES, help="the layout to write")
+    exp.add_argument("store", help="path or fsspec URL of the store")
+    exp.add_argument("dest", help="the folder to write")
+    exp.add_argument("--json", action="store_true", help="print the summary as one JSON document")
+    _add_storage_options(exp)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    k, sep, n = text.partition("/")
+    if not sep or not k.isdigit() or not n.isdigit() or not 0 <= int(k) < int(n):
+        raise argparse.ArgumentTypeError(f"expects K/N with 0 <= K < N, got {text!r}")
+    return int(k), int(n)
+
+
+def _import(args: argparse.Namespace) -> int:
+    from .engine_hf import eagle3_layers
+    from .formats.importer import run_import
+
+    layers, vocab = _model_facts(args.model)
+    if args.aux_layers:
+        aux = [k - 1 for k in args.aux_layers] if args.layer_ids == "input" else list(args.aux_layers)
+    elif layers is not None:
+        aux = eagle3_layers(layers)
+    else:
+        raise ValueError("give --aux-layers (the dump does not record its layer ids), or --model with a local "
+                         "config.json to take EAGLE-3's defaults")
+    provenance = {"engine": f"hsdata import --from {args.fmt}", "source": os.path.abspath(args.src),
+                  "command": args.command_line, "hsdata_version": __version__}
+    bars: list[Progress] = []
+
+    def on_plan(files: int, done: int) -> None:
+        bars.append(Progress("import", unit="file", total=files))
+        bars[0].update(done)
+
+    try:
+        summary = run_import(args.fmt, args.src, args.dest, aux_layers=aux, model=args.model, vocab_size=vocab,
+                             shard=args.shard, storage_options=_storage_options(args.storage_option),
+                             commit_bytes=args.commit_bytes, provenance=provenance, on_plan=on_plan,
+                             on_sample=lambda tokens: bars[0].update(1))
+    finally:
+        for bar in bars:
+            bar.close()
+    ok = not summary.bad or args.skip_bad
+    if args.json:
+        print(json.dumps({**summary.to_dict(), "ok": ok}, indent=2))
+        return 0 if ok else 1
+    for rel, why in summary.bad.items():
+        print(f"bad: {rel}: {' '.join(why.split())}")
+    verdict = "OK" if not summary.bad else ("OK, BAD FILES SKIPPED" if args.skip_bad else "BAD FILES")
+    rate = summary.bytes / max(summary.seconds, 1e-9)
+    print(f"{verdict}: {summary.files:,} files: {summary.skipped:,} already in the store, {summary.imported:,} "
+          f"imported and verified ({summary.tokens:,} tokens, {human_bytes(summary.bytes)}, "
+          f"{human_bytes(rate)}/s), {len(summary.bad):,} bad, in {summary.seconds:.1f} s")
+    return 0 if ok else 1
+
+
+def _model_facts(model: str | None) -> tuple[int | None, int | None]:
+    """``(num_hidden_layers, vocab_size)`` from a local config.json (a folder holding one, or the file)."""
+    if model is None:
+        return None, None
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not (path.endswith(".json") and os.path.isfile(path)):
+        return None, None
+    with open(path) as f:
+        config = json.load(f)
+    config = config.get("text_config", config) if "num_hidden_layers" not in config else config
+    return config.get("num_hidden_layers"), config.get("vocab_size")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .formats.exporter import run_export
+
+    bars: list[Progress] = []
+    try:
+        summary = run_export(args.fmt, args.store, args.dest, storage_options=_storage_options(args.storage_option),
+                             on_plan=lambda n: bars.append(Progress("export", unit="sample", total=n)),
+                             on_sample=lambda tokens: bars[0].update(1))
+    finally:
+        for bar in bars:
+            bar.close()
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=2))
+        return 0 if not summary.failed else 1
+    for sample_id, why in summary.failed.items():
+        print(f"failed: sample {sample_id!r}: {why}")
+    print(f"{'OK' if not summary.failed else 'FAILED'}: {summary.samples:,} samples: {summary.skipped:,} already "
+          f"exported, {summary.written:,} written ({summary.tokens:,} tokens), {len(summary.failed):,} failed, in "
+          f"{summary.seconds:.1f} s")
+    return 0 if not summary.failed else 1
 
 
 if __name__ == "__main__":

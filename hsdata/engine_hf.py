@@ -11,11 +11,11 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 import torch
 
-from . import capture as capture_module, writer as writer_module
+from . import capture as capture_module, distributed, writer as writer_module
 from .capture import Capture, Piece, vocab_size
 from .conversations import Record, tokenize
 from .errors import NotAStoreError
@@ -56,23 +56,25 @@ def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, torch.nn
 def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], out: str, *, model_name: str,
             aux_layers: list[int] | None = None, max_batch_tokens: int = 8192, storage_options: dict | None = None,
             store_dtype: str | torch.dtype | None = None, on_plan: Callable[[int, int], None] | None = None,
-            on_batch: Callable[[int, int], None] | None = None, provenance: dict | None = None) -> EngineSummary:
+            on_batch: Callable[[int, int], None] | None = None, provenance: dict | None = None,
+            committed: Collection[str] | None = None, share: tuple[int, int] | None = None) -> EngineSummary:
     """Tokenize, batch by length, run ``model`` and store every record not yet committed in ``out``.
 
     The states are stored in ``store_dtype`` (None: the model's dtype, as computed; a float32 model's may be
     stored as bfloat16 or float16). ``on_plan(samples, tokens)`` is called once with what is to be run, before
     the first forward; ``on_batch(samples, tokens)`` after each forward. ``provenance`` goes to
-    ``hsdata.create`` (:func:`extract_provenance` makes the automatic entries)."""
+    ``hsdata.create`` (:func:`extract_provenance` makes the automatic entries).
+
+    For one rank of a job: ``committed`` are the ids already in ``out`` (None: read them from it), the same on
+    every rank; ``share=(rank, world_size)`` runs only that rank's share of the batches
+    (:func:`hsdata.distributed.share`), each sample in the batch a single process would put it in."""
     started = time.monotonic()
     summary = EngineSummary()
     layers, norm = decoder_parts(model)
     aux_layers = aux_layers or eagle3_layers(len(layers))
     if max(aux_layers) >= len(layers):
         raise ValueError(f"aux_layers {aux_layers}: the model has {len(layers)} layers (ids are 0-based)")
-    try:
-        done = set(open_store(out, storage_options=storage_options).sample_ids)
-    except NotAStoreError:
-        done = set()
+    done = set(committed_ids(out, storage_options) if committed is None else committed)
     todo: list[tuple[str, list[int]]] = []
     masks: dict[str, list[int]] = {}
     for record in records:
@@ -87,8 +89,12 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
             continue
         todo.append((record.sample_id, ids))
         masks[record.sample_id] = mask
+    plan = list(batches_by_length(todo, max_batch_tokens))
+    if share is not None:
+        plan = distributed.share(plan, *share)
+    mine = [item for batch in plan for item in batch]
     if on_plan is not None:
-        on_plan(len(todo), sum(len(ids) for _, ids in todo))
+        on_plan(len(mine), sum(len(ids) for _, ids in mine))
     hidden, compute_dtype = norm.weight.shape[-1], norm.weight.dtype
     store_writer = writer_module.create(out, hidden_size=hidden, aux_layers=aux_layers, model=model_name,
                                         dtype=store_dtype or compute_dtype, compute_dtype=compute_dtype,
@@ -102,15 +108,17 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
     base = getattr(model, "model", model)  # the decoder stack: no logits are needed
     try:
         with torch.inference_mode():
-            for batch in batches_by_length(todo, max_batch_tokens):
+            for batch in plan:
                 input_ids, attention = pad_batch(batch)
                 width = input_ids.shape[1]
                 t0 = time.monotonic()
                 base(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False)
                 pieces = [Piece(sid, 0, b * width, len(ids)) for b, (sid, ids) in enumerate(batch)]
-                flat = [captured[f"aux{k}"].reshape(len(batch) * width, -1) for k in aux_layers]
-                capture.add_forward(pieces, [len(ids) for _, ids in batch], input_ids.reshape(-1).to(device), flat,
-                                    captured["final"].reshape(len(batch) * width, -1))
+                final = captured["final"].reshape(len(batch) * width, -1)
+                # with a device map the layers may sit on several GPUs: hand the capture one device's tensors
+                flat = [captured[f"aux{k}"].reshape(len(batch) * width, -1).to(final.device) for k in aux_layers]
+                capture.add_forward(pieces, [len(ids) for _, ids in batch], input_ids.reshape(-1).to(final.device),
+                                    flat, final)
                 summary.forward_seconds += time.monotonic() - t0
                 tokens = sum(len(ids) for _, ids in batch)
                 summary.tokens += tokens
@@ -121,12 +129,21 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
             hook.remove()
         capture.close()
     summary.written = capture.samples_written
-    committed = set(open_store(out, storage_options=storage_options).sample_ids)
-    for sid, _ in todo:
-        if sid not in committed and sid not in summary.failed:
+    stored = set(committed_ids(out, storage_options))
+    for sid, _ in mine:
+        if sid not in stored and sid not in summary.failed:
             summary.failed[sid] = "not committed (see the log)"
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def committed_ids(out: str, storage_options: dict | None = None) -> list[str]:
+    """The samples committed in the store ``out`` (none when there is no store yet)."""
+    try:
+        with open_store(out, storage_options=storage_options) as store:
+            return list(store.sample_ids)
+    except NotAStoreError:
+        return []
 
 
 def extract_provenance(model: torch.nn.Module, tokenizer: Any, *, model_name: str, tokenizer_name: str | None,

@@ -12,6 +12,8 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1: bfloat16 only, no compute_dtype (docs/format.md section 2)
 LAYER_CONVENTION = "output_of_layer"  # id k = output of decoder layer k (0-based) = HF hidden_states[k + 1]
 FINAL_HIDDEN_STATE = "post_norm"  # the last layer's output after the model's final norm
+# "pre_norm": the last layer's output before the final norm (vLLM/speculators dumps, kept as imported; version 2 only)
+FINAL_HIDDEN_STATES = (FINAL_HIDDEN_STATE, "pre_norm")
 
 # Sizing targets: docs/format.md section 9; the measurement behind them is in benchmarks/RESULTS.md.
 CHUNK_TARGET_BYTES = 4 << 20
@@ -91,12 +93,17 @@ class StoreSpec:
         vocab_size: int | None = None,
         shard_tokens: int | None = None,
         chunk_tokens: int | None = None,
+        final_hidden_state: str = FINAL_HIDDEN_STATE,
     ) -> StoreSpec:
         """Build a spec, deriving chunk and shard sizes from the byte targets unless given.
 
         ``dtype``: how the hidden states are stored; ``compute_dtype``: what the model computed them in (None: the
         same). Both are names or torch dtypes; float32 states may be stored as bfloat16 or float16.
+        ``final_hidden_state``: what ``hidden_states`` holds, one of ``FINAL_HIDDEN_STATES``.
         """
+        if final_hidden_state not in FINAL_HIDDEN_STATES:
+            raise ValueError(f"final_hidden_state must be one of {', '.join(FINAL_HIDDEN_STATES)}, "
+                             f"got {final_hidden_state!r}")
         dtype = hidden_dtype("dtype", dtype)
         compute_dtype = dtype if compute_dtype is None else hidden_dtype("compute_dtype", compute_dtype)
         check_pair(dtype, compute_dtype)
@@ -140,7 +147,8 @@ class StoreSpec:
                     ct //= 2
             tensors.append(TensorSpec(name, DTYPES[logical[name]].data_type, logical[name], width, ct))
         _check_power_of_two("shard_tokens", shard_tokens)
-        return cls(hidden_size, aux, model, vocab_size, dtype, compute_dtype, shard_tokens, tuple(tensors))
+        return cls(hidden_size, aux, model, vocab_size, dtype, compute_dtype, shard_tokens, tuple(tensors),
+                   final_hidden_state=final_hidden_state)
 
     def tensor(self, name: str) -> TensorSpec:
         for t in self.tensors:
@@ -184,12 +192,16 @@ class StoreSpec:
         if set(d) != expected_keys:
             missing, extra = sorted(expected_keys - set(d)), sorted(set(d) - expected_keys)
             raise UnsupportedFormatError(f"hsdata attributes: missing keys {missing}, unknown keys {extra}")
-        fixed = {"layer_convention": LAYER_CONVENTION, "final_hidden_state": FINAL_HIDDEN_STATE}
+        fixed = {"layer_convention": LAYER_CONVENTION}
         if version == 1:
             fixed["dtype"] = "bfloat16"
+            fixed["final_hidden_state"] = FINAL_HIDDEN_STATE
         for key, want in fixed.items():
             if d[key] != want:
                 raise UnsupportedFormatError(f"hsdata attributes: {key} is {d[key]!r}, expected {want!r}")
+        if d["final_hidden_state"] not in FINAL_HIDDEN_STATES:
+            raise UnsupportedFormatError(f"hsdata attributes: final_hidden_state is {d['final_hidden_state']!r}, "
+                                         f"expected one of {', '.join(map(repr, FINAL_HIDDEN_STATES))}")
         try:
             dtype = hidden_dtype("dtype", d["dtype"])
             compute = None if d.get("compute_dtype") is None else hidden_dtype("compute_dtype", d["compute_dtype"])
@@ -200,7 +212,8 @@ class StoreSpec:
             tensors = tuple(replace(t, chunk_tokens=chunks[t.name]) for t in spec.tensors)
         except (KeyError, TypeError, ValueError) as e:
             raise UnsupportedFormatError(f"hsdata attributes are invalid: {e}") from None
-        spec = replace(spec, compute_dtype=compute, tensors=tensors, format_version=version)
+        spec = replace(spec, compute_dtype=compute, tensors=tensors, format_version=version,
+                       final_hidden_state=d["final_hidden_state"])
         if spec.to_dict() != d:
             raise UnsupportedFormatError(f"hsdata attributes are inconsistent: {d!r}")
         for t in tensors:
@@ -214,11 +227,11 @@ class StoreSpec:
     def check_joinable(self, requested: StoreSpec, *, explicit: set[str]) -> None:
         """Raise unless a writer asking for ``requested`` may join a store with this spec.
 
-        Model facts and dtypes must be equal (a store that does not record its compute dtype, version 1, takes
-        states in its stored dtype; a vocab_size recorded on one side only is no difference); layout fields (shard/chunk sizes) only when the caller set them explicitly.
+        Model facts (the kind of final state too) and dtypes must be equal (a store that does not record its
+        compute dtype, version 1, takes states in its stored dtype; a vocab_size recorded on one side only is no difference); layout fields (shard/chunk sizes) only when the caller set them explicitly.
         """
         diffs = []
-        for f in ("hidden_size", "aux_layers", "model", "dtype"):
+        for f in ("hidden_size", "aux_layers", "model", "dtype", "final_hidden_state"):
             if getattr(self, f) != getattr(requested, f):
                 diffs.append(f"{f}: store has {getattr(self, f)!r}, requested {getattr(requested, f)!r}")
         if None not in (self.vocab_size, requested.vocab_size) and self.vocab_size != requested.vocab_size:
@@ -251,4 +264,4 @@ def _check_power_of_two(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a power of two, got {value}")
 
 
-__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "StoreSpec", "TensorSpec", "TENSOR_NAMES"]
+__all__ = ["FINAL_HIDDEN_STATES", "FORMAT_VERSION", "READABLE_VERSIONS", "StoreSpec", "TensorSpec", "TENSOR_NAMES"]

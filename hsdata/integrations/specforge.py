@@ -44,6 +44,9 @@ class HsdataFeatureStore(FeatureStore):
 
     def __init__(self, store: Store | str, **open_options: Any):
         self.store = store if isinstance(store, Store) else open_store(store, **open_options)
+        if self.store.spec.final_hidden_state != "post_norm":
+            raise ValueError(f"{self.store.url} holds {self.store.spec.final_hidden_state} final states; SpecForge "
+                             "runs the target's lm_head on them and needs post-norm ones (extract them with hsdata)")
         self._leases = itertools.count()
 
     def refs(self, sample_ids: Iterable[str] | None = None, *, run_id: str = "hsdata", strategy: str = "eagle3",
