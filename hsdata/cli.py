@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import pyarrow.compute as pc
 
 from . import __version__
 from .client import extract_from_server
@@ -245,7 +246,7 @@ def summarize(store: Store) -> dict:
         "tokens": store.num_tokens,
         "payload_bytes": store.num_tokens * spec.token_nbytes,
         "disk_bytes": store._storage.disk_usage(),
-        "parts": len(set(store.manifest.column("part").to_pylist())),
+        "parts": pc.count_distinct(store.manifest.column("part")).as_py(),
         "shard_tokens": spec.shard_tokens,
         "chunk_tokens": {t.name: t.chunk_tokens for t in spec.tensors},
         "length": dict(zip(("min", "p50", "p90", "p99", "max"), quantiles),

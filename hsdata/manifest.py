@@ -10,11 +10,11 @@ from datetime import datetime, timezone
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import xxhash
 
 from . import tables
 from .errors import CorruptDataError
+from .ids import arrow_of, collision_candidates, hash_ids, numpy_of, valid_of
 from .layout import MANIFESTS
 from .spec import TENSOR_NAMES
 from .storage import Storage
@@ -100,7 +100,7 @@ def check_part(name: str, table: pa.Table, where: str) -> None:
 def out_of_bounds(table: pa.Table) -> np.ndarray:
     """Positions of rows whose token range cannot be: token_offset < 0, num_tokens < 1, or an end beyond
     :data:`MAX_TOKENS`."""
-    offset, length = table.column("token_offset").to_numpy(), table.column("num_tokens").to_numpy()
+    offset, length = numpy_of(table.column("token_offset")), numpy_of(table.column("num_tokens"))
     room = MAX_TOKENS - np.clip(offset, 0, MAX_TOKENS)
     return np.flatnonzero((offset < 0) | (offset > MAX_TOKENS) | (length < 1) | (length > room))
 
@@ -123,13 +123,26 @@ def _check(name: str, table: pa.Table, where: str) -> None:
 def winners(rows: pa.Table) -> np.ndarray:
     """Positions (ascending) of the rows that serve their sample id: of rows sharing an id (writers raced on it),
     the earliest ``created`` wins, ties going to the earlier row (files in name order, rows in file order)."""
+    return winners_and_hashes(rows)[0]
+
+
+def winners_and_hashes(rows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`winners`, and what finding them computed: every row's id hash (:func:`hsdata.ids.hash_ids`) and,
+    when no id repeats, their :func:`hsdata.ids.sorted_keys` (else None); an :class:`hsdata.ids.IdIndex` reuses
+    them. Vectorized: only rows whose id hash another row shares are compared as strings."""
     ids = rows.column("sample_id")
-    if pc.count_distinct(ids).as_py() == len(ids):
-        return np.arange(len(ids))
-    created = rows.column("created").cast(pa.int64()).to_numpy()
-    by_time = np.lexsort((np.arange(len(ids)), created))
-    _, first = np.unique(ids.to_numpy(zero_copy_only=False)[by_time], return_index=True)
-    return np.sort(by_time[first])
+    hashes = hash_ids(ids)
+    keys, candidates = collision_candidates(hashes)
+    if not len(candidates):
+        return np.arange(len(ids)), hashes, keys
+    maybe = np.array(ids.take(arrow_of(candidates)).to_pylist(), dtype=object)  # str objects for these rows only
+    created = numpy_of(rows.column("created").take(arrow_of(candidates)).cast(pa.int64()))
+    by_time = np.lexsort((candidates, created))
+    _, first = np.unique(maybe[by_time], return_index=True)
+    if len(first) == len(candidates):  # hash prefixes collided, ids did not
+        return np.arange(len(ids)), hashes, keys
+    losers = np.setdiff1d(candidates, candidates[by_time[first]], assume_unique=True)
+    return np.setdiff1d(np.arange(len(ids)), losers, assume_unique=True), hashes, None
 
 
 def now() -> datetime:
@@ -142,4 +155,4 @@ def row_hashes(table: pa.Table) -> dict[str, np.ndarray]:
 
 
 def has_loss_mask(table: pa.Table) -> np.ndarray:
-    return table.column(hash_column("loss_mask")).is_valid().to_numpy(zero_copy_only=False)
+    return valid_of(table.column(hash_column("loss_mask")))

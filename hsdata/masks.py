@@ -11,9 +11,12 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import removals, tables
+from .ids import IdIndex, arrow_of, numpy_of
 from .storage import Storage
 
 MASKS = "masks"
@@ -44,6 +47,53 @@ def entries(storage: Storage) -> list[Entry]:
     removed = removals.load(storage).masks
     return [Entry(f, i, m) for f, i, m in zip(files, table.column("sample_id").to_pylist(),
                                               table.column("loss_mask").to_pylist()) if (i, f) not in removed]
+
+
+class AddedMasks:
+    """The added mask of each sample id, as :func:`load` gives them, kept in the Arrow columns (no Python object
+    per mask until one is asked for); the id index is built at the first lookup."""
+
+    def __init__(self, ids: pa.ChunkedArray, masks: pa.ChunkedArray):
+        self._ids, self._masks = ids, masks
+        self._index: IdIndex | None = None
+
+    def get(self, sample_id: str, default: bytes | None = None) -> bytes | None:
+        if not len(self._ids):
+            return default
+        if self._index is None:
+            self._index = IdIndex(self._ids)
+        position = self._index.find(sample_id)  # of equal ids, the first: the first file's mask
+        return default if position is None else self._masks[position].as_py()
+
+    def __contains__(self, sample_id: object) -> bool:
+        return self.get(sample_id) is not None  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(pc.unique(self._ids)) if len(self._ids) else 0
+
+
+def load_lookup(storage: Storage, removed: frozenset[tuple[str, str]] | None = None) -> AddedMasks:
+    """:func:`load` without a dict: every added mask no removal names (``removed``: the store's removal masks, read
+    when not given), verified, looked up by id through an :class:`AddedMasks`."""
+    counts: list[tuple[str, int]] = []
+    table = tables.load(storage, MASKS, SCHEMA, lambda name, rows, where: counts.append((name, len(rows))))
+    removed = removals.load(storage).masks if removed is None else removed
+    ids, values = table.column("sample_id"), table.column("loss_mask")
+    if removed and len(table):
+        named = pa.array(sorted({sample_id for sample_id, _ in removed}), pa.string())
+        maybe = np.flatnonzero(numpy_of(pc.is_in(ids, value_set=named)))
+        if len(maybe):
+            files = [name for name, _ in counts]
+            file_of = np.repeat(np.arange(len(counts)), [n for _, n in counts])[maybe]
+            named_ids = ids.take(arrow_of(maybe)).to_pylist()
+            gone = [k for k, sample_id, f in zip(maybe.tolist(), named_ids, file_of.tolist())
+                    if (sample_id, files[f]) in removed]
+            if gone:
+                keep = np.ones(len(table), bool)
+                keep[gone] = False
+                kept = table.filter(arrow_of(keep))
+                ids, values = kept.column("sample_id"), kept.column("loss_mask")
+    return AddedMasks(ids, values)
 
 
 def load(storage: Storage) -> dict[str, bytes]:

@@ -7,21 +7,22 @@ import os
 import warnings
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from . import manifest, masks, removals, sampling
+from .buffers import BufferPool
+from .cache import RangeCache
 from .errors import CorruptDataError
-from .layout import (MAX_METADATA_BYTES, array_node, load_root, metadata_key, parse_document, read_document,
-                     shard_key)
+from .ids import IdIndex, SampleIds, arrow_of, numpy_of, sorted_keys
+from .layout import MAX_METADATA_BYTES, array_node, load_root, metadata_key, parse_document, read_document, shard_key
 from .pool import ProcessLocalPool
 from .shard import CRC_NBYTES, ShardRange, chunks_per_shard, encoded_chunk_nbytes, index_nbytes, token_ranges
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
-from .buffers import BufferPool
-from .cache import RangeCache
 from .storage import MAX_REQUESTS, Storage
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -51,19 +52,21 @@ def open(url: str, *, storage_options: dict | None = None, verify: bool = True, 
     cache = RangeCache(cache_dir, cache_max_bytes) if cache_dir is not None else None
     storage = Storage(url, storage_options, max_requests=concurrency or REMOTE_CONCURRENCY, cache=cache)
     spec, provenance = load_root(storage)  # first: a path that holds no store says so before any table is read
-    rows = removals.load(storage).drop_rows(manifest.load(storage))
-    return Store(storage, spec, rows, masks.load(storage), verify=verify, concurrency=concurrency,
+    removed = removals.load(storage)
+    rows = removed.drop_rows(manifest.load(storage))
+    return Store(storage, spec, rows, masks.load_lookup(storage, removed.masks), verify=verify, concurrency=concurrency,
                  range_bytes=range_bytes, provenance=provenance)
 
 
 class Store:
     """A read-only view of the samples committed when the store was opened."""
 
-    def __init__(self, storage: Storage, spec: StoreSpec, rows: pa.Table, added_masks: dict[str, bytes], *,
+    def __init__(self, storage: Storage, spec: StoreSpec, rows: pa.Table, added_masks: Mapping[str, bytes], *,
                  verify: bool = True, concurrency: int | None = None, range_bytes: int = DEFAULT_RANGE_BYTES,
                  provenance: dict[str, Any] | None = None):
         """``concurrency``: I/O threads for a local store (a remote one's limit is ``storage.max_requests``);
-        ``provenance``: the root metadata's (``layout.load_root``)."""
+        ``provenance``: the root metadata's (``layout.load_root``); ``added_masks``: anything with ``get(sample_id)``
+        (a dict, or :class:`hsdata.masks.AddedMasks`)."""
         concurrency = LOCAL_CONCURRENCY if concurrency is None else concurrency
         if concurrency < 1 or range_bytes < 1:
             raise ValueError(f"concurrency and range_bytes must be positive, got {concurrency} and {range_bytes}")
@@ -74,15 +77,14 @@ class Store:
         self._pool = ProcessLocalPool(concurrency, "hsdata-read")
         self._buffers = BufferPool(IDLE_BUFFER_BYTES)
         self._range_bytes = range_bytes
-        self.manifest = _winners(rows, storage.url)
-        self._ids: list[str] = self.manifest.column("sample_id").to_pylist()
-        self._index: dict[str, int] | None = None
-        parts = self.manifest.column("part").combine_chunks().dictionary_encode()
-        self._part_names: list[str] = parts.dictionary.to_pylist()
-        self._part_of = parts.indices.to_numpy(zero_copy_only=False)
-        self._offsets = self.manifest.column("token_offset").to_numpy()
-        self.lengths: np.ndarray = self.manifest.column("num_tokens").to_numpy()
-        self._hashes = manifest.row_hashes(self.manifest)
+        self.manifest, hashes, keys = _winners(rows, storage.url)
+        ids = self.manifest.column("sample_id")
+        self._id_index = IdIndex(ids, keys if keys is not None else sorted_keys(hashes))  # 8 bytes per sample
+        self._ids = SampleIds(ids, self._id_index.find)  # no str per sample: the Arrow column
+        self._part_names, self._part_of = _encode_parts(self.manifest.column("part"))
+        self._offsets = numpy_of(self.manifest.column("token_offset"))
+        self.lengths: np.ndarray = numpy_of(self.manifest.column("num_tokens"))
+        self._hashes = {t: self.manifest.column(manifest.hash_column(t)) for t in TENSOR_NAMES}  # read per sample
         self._meta = self.manifest.column("meta")
         self._has_loss_mask = manifest.has_loss_mask(self.manifest)
         self._added_masks = added_masks
@@ -95,34 +97,44 @@ class Store:
         return self._storage.url
 
     @property
-    def sample_ids(self) -> list[str]:
+    def sample_ids(self) -> SampleIds:
+        """The ids in position order: a read-only sequence of ``str`` (:class:`hsdata.ids.SampleIds`) backed by
+        the manifest's Arrow column; an item or slice is converted when read (a slice is a list)."""
         return self._ids
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.lengths.tolist())  # Python ints: exact however many rows
+        lengths = self.lengths
+        if not len(lengths) or int(lengths.max()) < (2**63 - 1) // len(lengths):
+            return int(lengths.sum())
+        return sum(lengths.tolist())  # Python ints: exact however many rows
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return self.manifest.num_rows
 
     def __repr__(self) -> str:
         return f"<hsdata.Store {self.url!r}: {len(self)} samples, {self.num_tokens} tokens, {self.spec!r}>"
 
     def index(self, sample_id: str) -> int:
         """Position of ``sample_id`` in this store."""
-        if self._index is None:
-            self._index = {sid: i for i, sid in enumerate(self._ids)}
-        try:
-            return self._index[sample_id]
-        except KeyError:
-            raise KeyError(f"no sample {sample_id!r} in {self.url}") from None
+        position = self._id_index.find(sample_id)
+        if position is None:
+            raise KeyError(f"no sample {sample_id!r} in {self.url}")
+        return position
+
+    def indices(self, sample_ids: Iterable[str]) -> np.ndarray:
+        """Positions of ``sample_ids`` (int64, in the order given), found together (vectorized); ``KeyError``
+        naming up to five ids that are not in this store."""
+        wanted = [sample_ids] if isinstance(sample_ids, str) else list(sample_ids)
+        positions = self._id_index.find_many(wanted)
+        missing = np.flatnonzero(positions < 0)
+        if len(missing):
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise KeyError(f"no samples {[wanted[k] for k in missing[:5].tolist()]}{more} in {self.url}")
+        return positions
 
     def __contains__(self, sample_id: object) -> bool:
-        try:
-            self.index(sample_id)  # type: ignore[arg-type]
-        except KeyError:
-            return False
-        return True
+        return self._id_index.find(sample_id) is not None
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.read(i)
@@ -210,16 +222,17 @@ class Store:
         part, offset, length = self.location(i)
         with_mask = self._has_loss_mask[i]
         tensors = [self.spec.tensor(n) for n in names if n in TENSOR_NAMES and (n != "loss_mask" or with_mask)]
+        sample_id = self._ids[i]
         for tensor in tensors:
-            self._check_extent(self._ids[i], part, offset, length, tensor)
+            self._check_extent(sample_id, part, offset, length, tensor)
         if shared:
             outputs = [torch.empty(length * t.row_nbytes, dtype=torch.uint8).share_memory_() for t in tensors]
         else:
             outputs = [self._buffers.take(length * t.row_nbytes) for t in tensors]
-        plan = _Plan(i, self._ids[i], tensors, outputs, [manifest.content_hasher() for _ in tensors],
+        plan = _Plan(i, sample_id, tensors, outputs, [manifest.content_hasher() for _ in tensors],
                      with_meta="meta" in names)
         if "loss_mask" in names and not with_mask:
-            plan.mask_added_later, plan.added_mask = True, self._added_masks.get(self._ids[i])
+            plan.mask_added_later, plan.added_mask = True, self._added_masks.get(sample_id)
         for k, (tensor, output) in enumerate(zip(tensors, outputs)):
             buffer, start = memoryview(output.numpy()), 0
             for whole in token_ranges(self.spec, tensor, offset, length):
@@ -317,7 +330,7 @@ class Store:
             position += got
 
     def _check_hash(self, i: int, tensor: TensorSpec, computed: int) -> None:
-        stored = int(self._hashes[tensor.name][i])
+        stored = self._hashes[tensor.name][i].as_py() or 0  # null: no mask stored (never checked then)
         if computed != stored:
             part, offset, length = self.location(i)
             raise CorruptDataError(
@@ -376,14 +389,33 @@ def _check_fields(fields: Iterable[str] | None) -> tuple[str, ...]:
     return names
 
 
-def _winners(rows: pa.Table, url: str) -> pa.Table:
-    """One row per sample id (:func:`manifest.winners`); duplicates come from writers racing on one id."""
-    keep = manifest.winners(rows)
+def _winners(rows: pa.Table, url: str) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
+    """One row per sample id (:func:`manifest.winners`), the id hashes of those rows and their sorted keys (None:
+    not computed); duplicates come from writers racing on one id."""
+    keep, hashes, order = manifest.winners_and_hashes(rows)
     if len(keep) == len(rows):
-        return rows
+        return rows, hashes, order
     warnings.warn(f"{url}: {len(rows) - len(keep)} duplicate sample rows ignored (the earliest commit of each id "
                   "wins); run `hsdata validate` for details", stacklevel=3)
-    return rows.take(keep)
+    return rows.take(arrow_of(keep)), hashes[keep], None
+
+
+def _encode_parts(parts: pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
+    """``(names, index of each row's name)``, in order of first appearance. A chunk of one manifest names one
+    part (``manifest.check_part``): such a chunk is compared against its first value (no hashing of each row)."""
+    names: dict[str, int] = {}
+    pieces = []
+    for chunk in parts.chunks:
+        if not len(chunk):
+            continue
+        first = chunk[0].as_py()
+        if pc.all(pc.equal(chunk, chunk[0])).as_py():  # an Arrow scalar: a str would go through pa.scalar
+            pieces.append(np.full(len(chunk), names.setdefault(first, len(names)), np.int32))
+            continue
+        encoded = chunk.dictionary_encode()
+        local = np.array([names.setdefault(n, len(names)) for n in encoded.dictionary.to_pylist()], np.int32)
+        pieces.append(local[numpy_of(encoded.indices)])
+    return list(names), np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
 
 
 def _array_tokens(storage: Storage, spec: StoreSpec, parts: list[str]) -> dict[str, int | str]:

@@ -15,9 +15,11 @@ from datetime import datetime, timezone
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import tables
 from .errors import CorruptDataError
+from .ids import arrow_of, numpy_of, valid_of
 from .storage import Storage
 
 REMOVALS = "removals"
@@ -40,10 +42,20 @@ class Removals:
         """``rows`` (manifest rows) without the removed ones."""
         if not self.rows or not len(rows):
             return rows
-        keys = zip(rows.column("sample_id").to_pylist(), rows.column("part").to_pylist(),
-                   rows.column("token_offset").to_pylist())
-        keep = np.fromiter((key not in self.rows for key in keys), bool, len(rows))
-        return rows if keep.all() else rows.filter(pa.array(keep))
+        # vectorized: only rows whose id some removal names are compared as (id, part, offset) tuples
+        named = pa.array(sorted({sample_id for sample_id, _, _ in self.rows}), pa.string())
+        maybe = np.flatnonzero(numpy_of(pc.is_in(rows.column("sample_id"), value_set=named)))
+        if not len(maybe):
+            return rows
+        some = rows.select(["sample_id", "part", "token_offset"]).take(arrow_of(maybe))
+        keys = zip(some.column("sample_id").to_pylist(), some.column("part").to_pylist(),
+                   some.column("token_offset").to_pylist())
+        gone = maybe[np.fromiter((key in self.rows for key in keys), bool, len(maybe))]
+        if not len(gone):
+            return rows
+        keep = np.ones(len(rows), bool)
+        keep[gone] = False
+        return rows.filter(arrow_of(keep))
 
 
 def write(storage: Storage, *, rows: list[tuple[str, str, int]] = (), masks: list[tuple[str, str]] = (),
@@ -72,9 +84,9 @@ def load(storage: Storage) -> Removals:
 
 def _check_entries(name: str, table: pa.Table, where: str) -> None:
     """Each entry names a manifest row (part and token_offset) or an added mask (mask_file), not both."""
-    row = table.column("part").is_valid().to_numpy(zero_copy_only=False)
-    offset = table.column("token_offset").is_valid().to_numpy(zero_copy_only=False)
-    mask = table.column("mask_file").is_valid().to_numpy(zero_copy_only=False)
+    row = valid_of(table.column("part"))
+    offset = valid_of(table.column("token_offset"))
+    mask = valid_of(table.column("mask_file"))
     if (row != offset).any() or (row == mask).any():
         raise CorruptDataError(f"{where}: a removal must name either a manifest row (part and token_offset) "
                                "or an added mask (mask_file)")

@@ -9,7 +9,9 @@ on disk and decoded.
 
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -20,6 +22,8 @@ from .storage import Storage
 
 FILE_NAME = re.compile(r"^(?P<writer>[A-Za-z0-9_-]+)\.(?P<seq>\d{8})\.(?P<hash>[0-9a-f]{16})\.parquet$")
 FILE_PATTERN = "<writer>.<8 digits>.<16 lower-case hex digits>.parquet (writer: letters, digits, '_', '-')"
+DECODE_THREADS = min(4, os.cpu_count() or 1)
+PARALLEL_DECODE_BYTES = 1 << 20  # fewer bytes of table files are decoded on the calling thread
 MAX_TABLE_BYTES = 4 << 30  # per file, on disk and decoded: a manifest row is ~100 bytes, a mask 1 byte per token
 
 
@@ -71,13 +75,35 @@ def decode(name: str, data: bytes, schema: pa.Schema, where: str) -> pa.Table:
 
 
 def load(storage: Storage, folder: str, schema: pa.Schema, check=None) -> pa.Table:
-    """Every file of ``folder``, verified (and passed to ``check(name, table, where)``), concatenated in order."""
+    """Every file of ``folder``, verified (and passed to ``check(name, table, where)``), concatenated in order.
+
+    Several files are decoded on up to ``DECODE_THREADS`` Python threads (Parquet decoding releases the GIL),
+    each decoding its own Arrow-owned copy synchronously (:func:`decode`); they are joined before this returns, and
+    ``check`` runs on the calling thread, in file order."""
     names = list_files(storage, folder)
     keys = [f"{folder}/{n}" for n in names]
+    datas = storage.read_many(keys, max_bytes=MAX_TABLE_BYTES)
+    wheres = [storage.describe(key) for key in keys]
+    jobs = list(zip(names, datas, [schema] * len(names), wheres))
+    threads = min(DECODE_THREADS, len(jobs))
     tables = []
-    for name, key, data in zip(names, keys, storage.read_many(keys, max_bytes=MAX_TABLE_BYTES)):
-        table = decode(name, data, schema, storage.describe(key))
-        if check is not None:
-            check(name, table, storage.describe(key))
-        tables.append(table)
-    return pa.concat_tables(tables) if tables else schema.empty_table()
+    if threads > 1 and sum(len(d) for d in datas) >= PARALLEL_DECODE_BYTES:
+        with ThreadPoolExecutor(threads, thread_name_prefix="hsdata-decode") as pool:
+            futures = [pool.submit(decode, *job) for job in jobs]
+            del datas, jobs
+            try:
+                for name, future, where in zip(names, futures, wheres):  # failures raise in file order
+                    tables.append(_checked(check, name, future.result(), where))
+            finally:
+                for future in futures:
+                    future.cancel()
+    else:
+        tables = [_checked(check, name, decode(*job), where) for name, job, where in zip(names, jobs, wheres)]
+    # not schema.empty_table(): it imports pandas (a second or so of a cold start, for a store without removals)
+    return pa.concat_tables(tables) if tables else pa.Table.from_batches([], schema=schema)
+
+
+def _checked(check, name: str, table: pa.Table, where: str) -> pa.Table:
+    if check is not None:
+        check(name, table, where)
+    return table

@@ -87,8 +87,7 @@ class Eagle3Dataset(Dataset):
 
     @property
     def sample_ids(self) -> list[str]:
-        ids = self.store.sample_ids
-        return [ids[j] for j in self.indices.tolist()]
+        return self.store.sample_ids.take(self.indices)
 
     # selections: datasets over some of this one's samples, sharing its open store
 
@@ -98,11 +97,14 @@ class Eagle3Dataset(Dataset):
         if (positions is None) == (sample_ids is None):
             raise ValueError("select takes positions or sample_ids, one of them")
         if sample_ids is not None:
-            mine = {sid: p for p, sid in enumerate(self.sample_ids)}
-            missing = [sid for sid in sample_ids if sid not in mine]
-            if missing:
-                raise KeyError(f"{len(missing)} ids are not in this dataset, e.g. {missing[:3]}")
-            positions = [mine[sid] for sid in sample_ids]
+            sample_ids = list(sample_ids)
+            found = self.store.indices(sample_ids)  # KeyError names ids the store lacks
+            rank = np.full(len(self.store), -1, dtype=np.int64)
+            rank[self.indices] = np.arange(len(self))
+            positions = rank[found]
+            if (positions < 0).any():
+                missing = [sample_ids[k] for k in np.flatnonzero(positions < 0)[:3].tolist()]
+                raise KeyError(f"{int((positions < 0).sum())} ids are not in this dataset, e.g. {missing}")
         chosen = np.asarray(list(positions), dtype=np.int64)
         if chosen.ndim != 1 or ((chosen < 0) | (chosen >= len(self))).any():
             raise IndexError(f"positions must lie in [0, {len(self)}) of this dataset")
@@ -114,9 +116,9 @@ class Eagle3Dataset(Dataset):
         """The samples for which ``predicate(row)`` is true; ``row`` holds the manifest's ``sample_id``,
         ``length`` (tokens stored, before ``max_length``) and ``meta`` (a dict, or None)."""
         store, lengths = self.store, self.store.lengths
-        ids = store.sample_ids
-        keep = [j for j in self.indices.tolist()
-                if predicate({"sample_id": ids[j], "length": int(lengths[j]), "meta": store.meta(j)})]
+        ids = store.sample_ids.take(self.indices)
+        keep = [j for j, sample_id in zip(self.indices.tolist(), ids)
+                if predicate({"sample_id": sample_id, "length": int(lengths[j]), "meta": store.meta(j)})]
         return self._view(np.asarray(keep, dtype=np.int64))
 
     def split(self, held_out: float, *, seed: int = 0) -> tuple[Eagle3Dataset, Eagle3Dataset]:
