@@ -59,6 +59,7 @@ class ShardEncoder:
 
     def __init__(self, out: BinaryIO, spec: StoreSpec, tensor: TensorSpec):
         self._out = out
+        self._writev = getattr(out, "writev", None)
         self._chunk_nbytes = tensor.chunk_nbytes
         self._num_chunks = chunks_per_shard(spec, tensor)
         self._filled = 0  # bytes of the current chunk written so far
@@ -66,30 +67,41 @@ class ShardEncoder:
         self._chunks = 0  # complete chunks written
 
     def write(self, data: memoryview) -> None:
-        """Append raw row bytes; they may start and end anywhere inside a chunk."""
+        """Append raw row bytes; they may start and end anywhere inside a chunk. Everything is handed to the
+        file in one ``writev`` (where it has one): the row bytes as they are, the crc32c trailers between them."""
         view = memoryview(data).cast("B")
+        out = []
         while view.nbytes:
             piece = view[: self._chunk_nbytes - self._filled]
-            self._out.write(piece)
+            out.append(piece)
             self._crc = crc32c(piece, self._crc)
             self._filled += piece.nbytes
             view = view[piece.nbytes :]
             if self._filled == self._chunk_nbytes:
-                self._end_chunk()
+                out.append(self._end_chunk())
+        self._emit(out)
 
     def finish(self) -> None:
         """Zero-pad the last partial chunk (zarr stores whole chunks) and append the index."""
         if self._filled:
             self.write(memoryview(bytes(self._chunk_nbytes - self._filled)))
-        self._out.write(encode_index(self._chunks, self._num_chunks, self._chunk_nbytes + CRC_NBYTES))
+        self._emit([encode_index(self._chunks, self._num_chunks, self._chunk_nbytes + CRC_NBYTES)])
 
-    def _end_chunk(self) -> None:
+    def _emit(self, buffers: list) -> None:
+        if self._writev is not None:
+            self._writev(buffers)
+        else:
+            for b in buffers:
+                self._out.write(b)
+
+    def _end_chunk(self) -> bytes:
         if self._chunks == self._num_chunks:
             raise AssertionError("shard overflow: more chunks written than the shard holds")
-        self._out.write(struct.pack("<I", self._crc))
+        trailer = struct.pack("<I", self._crc)
         self._chunks += 1
         self._filled = 0
         self._crc = 0
+        return trailer
 
 
 @dataclass(frozen=True)

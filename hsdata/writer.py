@@ -24,6 +24,7 @@ from .spec import StoreSpec
 from .storage import Storage
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
+INLINE_BYTES = 1 << 20  # rows of a sample smaller than this are written on the writer thread itself
 
 
 def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None = None, *,
@@ -241,11 +242,13 @@ class _PartWriter:
         self._uncommitted: list[manifest.Row] = []
         self._seq = 0
         self._array_tokens = 0  # shape last written to the arrays' zarr.json
-        self._pool = ThreadPoolExecutor(len(spec.tensors), thread_name_prefix=f"hsdata-shard-{part}")
+        self._pool = ThreadPoolExecutor(2 * len(spec.tensors), thread_name_prefix=f"hsdata-shard-{part}")
+        self._row_nbytes = sum(t.row_nbytes for t in spec.tensors)  # one token of every tensor
 
     def append(self, sample: inputs.Sample) -> None:
-        """Stream the sample's rows into the open shard(s); each tensor on its own thread (hash, crc32c and
-        writes release the GIL), the shard files closed and committed in step at shard boundaries."""
+        """Stream the sample's rows into the open shard(s); each tensor's writes (with their crc32c) and its xxh3
+        on threads of their own (they release the GIL), a small sample's on this thread (a hand-off costs more);
+        the shard files closed and committed in step at shard boundaries."""
         start, total, shard_tokens = self._next_token, sample.num_tokens, self.spec.shard_tokens
         done = 0
         while done < total:
@@ -255,9 +258,19 @@ class _PartWriter:
                 self._open_shard(shard)
             count = min(total - done, (shard + 1) * shard_tokens - position)
             first = done == 0
-            tasks = {name: self._pool.submit(self._write_rows, name, array, done, count, first)
-                     for name, array in sample.arrays.items()}
-            hashes = {name: task.result() for name, task in tasks.items()}
+            if count * self._row_nbytes < INLINE_BYTES:  # a hand-off to 4 threads costs more than the work
+                hashes = {name: self._write_rows(name, array, done, count, first)
+                          for name, array in sample.arrays.items()}
+            else:  # every tensor's writes on a thread of their own, its xxh3 on another one alongside
+                writes = [self._pool.submit(self._write_rows, name, array, done, count, False)
+                          for name, array in sample.arrays.items()]
+                hashing = {name: self._pool.submit(manifest.content_hash, array)
+                           for name, array in sample.arrays.items()} if first else {}
+                for task in (*writes, *hashing.values()):
+                    task.exception()  # all done before any error is raised: none still uses a file after it
+                for task in writes:
+                    task.result()
+                hashes = {name: task.result() for name, task in hashing.items()}
             if first:
                 if not sample.has_loss_mask:
                     hashes["loss_mask"] = None
@@ -300,30 +313,44 @@ class _PartWriter:
         self._shard = shard
 
     def _close_shard(self) -> None:
-        for writer, encoder in self._files.values():
-            encoder.finish()
-            writer.commit()
+        """Finish and commit the shard's files, each on its tensor's thread: their fsyncs overlap (the disk sees
+        every file's tail at once, as when the tensors were written)."""
+        tasks = [self._pool.submit(self._commit_file, writer, encoder) for writer, encoder in self._files.values()]
+        for task in tasks:
+            task.exception()  # wait for all before raising: no commit still running behind an error
+        for task in tasks:
+            task.result()
         self._files.clear()
         self._shard = None
+
+    @staticmethod
+    def _commit_file(writer, encoder: ShardEncoder) -> None:
+        encoder.finish()
+        writer.commit()
 
     def _commit(self) -> None:
         """Make every sample that lies in closed shards visible: array metadata first, the manifest last."""
         complete = [r for r in self._uncommitted if r.token_offset + r.num_tokens <= self._next_token]
         if not complete:
             return
+        documents = {}  # key -> bytes, written (and fsynced) in parallel, all before the manifest
         if self._seq == 0:
-            self.storage.write_bytes(metadata_key(PARTS), encode_json(group_document()))
+            documents[metadata_key(PARTS)] = encode_json(group_document())
             info = {"created": manifest.now().isoformat(), "manifests": MANIFESTS}
             if self.provenance:
                 info["provenance"] = self.provenance
-            document = group_document({PART_ATTRIBUTE: info})
-            self.storage.write_bytes(metadata_key(part_node(self.part)), encode_json(document))
+            documents[metadata_key(part_node(self.part))] = encode_json(group_document({PART_ATTRIBUTE: info}))
         tokens = max(r.token_offset + r.num_tokens for r in complete)
         if tokens > self._array_tokens:
             for tensor in self.spec.tensors:
                 document = array_document(self.spec, tensor, tokens)
-                self.storage.write_bytes(metadata_key(array_node(self.part, tensor)), encode_json(document))
-            self._array_tokens = tokens
+                documents[metadata_key(array_node(self.part, tensor))] = encode_json(document)
+        tasks = [self._pool.submit(self.storage.write_bytes, key, data) for key, data in documents.items()]
+        for task in tasks:
+            task.exception()  # every one finished before the manifest, or before an error is raised
+        for task in tasks:
+            task.result()
+        self._array_tokens = max(tokens, self._array_tokens)
         manifest.write(self.storage, self.part, self._seq, complete)
         self._seq += 1
         self.num_committed += len(complete)

@@ -1,0 +1,291 @@
+"""The writer against raw writes of the same bytes on the same disk, fsync included, cold page cache.
+
+Methods, each timed from the first byte to durable (fsync) and measured in paired, interleaved rounds (every
+round runs every method once, in a rotated order, after ``sync`` and a page-cache drop; outputs are deleted
+between passes):
+  raw seq   one file, every sample's four tensors appended back to back with write(), one fsync at the end
+  raw par   one file per tensor (the layout hsdata writes), one thread per file appending that tensor's rows,
+            each file fsynced at the end
+  hsdata    hsdata.create(...).add(...) for every sample, then close() (shards, metadata and manifests fsynced)
+The bar is hsdata against the best raw mode of the same round.
+
+With ``--writers N`` (N > 1) the same bytes are split over N processes: N hsdata writers joining one store
+against N raw processes (each raw process writes its share in the best single-process raw layout of that
+round's raw passes: one stream, or one file per tensor on threads). Processes build their samples first, wait
+on a barrier, and the time is from the barrier to the last process done.
+
+    python benchmarks/write_bench.py --dir /tmp/hswrite --gib 2
+    python benchmarks/write_bench.py --dir /mnt/nvme/hswrite --gib 8 --hidden 4096 7168 --writers 1 2 4 \
+        --json benchmarks/results/write_bench_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import threading
+import time
+
+import numpy as np
+import torch
+
+import hsdata
+import hsdata.storage
+
+TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
+
+# sample-length mixes: (name, draw(rng) -> tokens)
+MIXES = {
+    "chat": lambda rng: int(np.clip(rng.lognormal(np.log(900), 0.8), 32, 8192)),  # ShareGPT-like
+    "long": lambda rng: int(rng.integers(4096, 16385)),  # long-context extraction
+    "short": lambda rng: int(np.clip(rng.lognormal(np.log(64), 0.7), 4, 512)),  # many small samples
+}
+
+
+def make_lengths(mix: str, token_budget: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    lengths: list[int] = []
+    total = 0
+    while total < token_budget:
+        lengths.append(MIXES[mix](rng))
+        total += lengths[-1]
+    return lengths
+
+
+def make_samples(lengths: list[int], hidden: int, layers: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """bf16 torch tensors as an engine hands them over: slices of one random pool (so the pool, not every
+    sample, is resident), ids and masks of their own."""
+    rng = np.random.default_rng(seed)
+    widest = max(lengths) * layers * hidden
+    pool = torch.from_numpy(rng.integers(0, 2**16, 2 * widest, dtype=np.uint16)).view(torch.bfloat16)
+    samples = []
+    for n in lengths:
+        def block(width: int, n: int = n) -> torch.Tensor:
+            start = int(rng.integers(0, len(pool) - n * width))
+            return pool[start : start + n * width].view(n, width)
+
+        samples.append({
+            "input_ids": torch.from_numpy(rng.integers(0, 160_000, n, dtype=np.int32)),
+            "loss_mask": torch.from_numpy(rng.integers(0, 2, n, dtype=np.uint8)),
+            "aux_hidden_states": block(layers * hidden),
+            "hidden_states": block(hidden),
+        })
+    return samples
+
+
+def stored_bytes(value: torch.Tensor) -> memoryview:
+    return memoryview(value.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def sample_nbytes(sample: dict) -> int:
+    return sum(stored_bytes(sample[name]).nbytes for name in TENSORS)
+
+
+def raw_seq(directory: str, samples: list[dict]) -> None:
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(os.path.join(directory, "flat.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for sample in samples:
+            for name in TENSORS:
+                _write_all(fd, stored_bytes(sample[name]))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_dir(directory)
+
+
+def raw_par(directory: str, samples: list[dict]) -> None:
+    os.makedirs(directory, exist_ok=True)
+    errors: list[BaseException] = []
+
+    def stream(name: str) -> None:
+        try:
+            fd = os.open(os.path.join(directory, f"{name}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for sample in samples:
+                    _write_all(fd, stored_bytes(sample[name]))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=stream, args=(name,)) for name in TENSORS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    _fsync_dir(directory)
+
+
+def hsdata_module(method: str, before: str | None):
+    """The package a method writes with: ``hsdata``, or for "hsdata before" an older copy of it (a folder
+    holding the package renamed ``hsdata_old``, e.g. ``git archive HEAD hsdata``), for a same-run comparison."""
+    if method == "hsdata before":
+        import importlib
+        import sys
+        if before not in sys.path:
+            sys.path.insert(0, before)
+        return importlib.import_module("hsdata_old")
+    return hsdata
+
+
+def write_hsdata(directory: str, samples: list[dict], hidden: int, layers: int, prefix: str = "s",
+                 package=hsdata, method: str = "hsdata") -> None:
+    saved = hsdata.storage.WRITEBACK_BYTES
+    if method == "hsdata no-wb":  # ablation: no early writeback (sync_file_range) of the files being written
+        hsdata.storage.WRITEBACK_BYTES = 1 << 62
+    try:
+        with package.create(directory, hidden_size=hidden, aux_layers=list(range(1, layers + 1)), model="bench") as w:
+            for i, sample in enumerate(samples):
+                w.add(f"{prefix}{i:07d}", **sample)
+    finally:
+        hsdata.storage.WRITEBACK_BYTES = saved
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data.nbytes:
+        data = data[os.write(fd, data) :]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def clear(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.sync()
+
+
+# ---- N processes ------------------------------------------------------------------------------------------
+
+def _worker(method: str, directory: str, lengths, hidden, layers, seed, rank, barrier, results, before) -> None:
+    samples = make_samples(lengths, hidden, layers, seed + 1000 * (rank + 1))
+    if method.startswith("hsdata"):
+        package = hsdata_module(method, before)
+        run = lambda: write_hsdata(directory, samples, hidden, layers, prefix=f"w{rank}-", package=package,
+                                   method=method)
+    else:
+        own = os.path.join(directory, f"w{rank}")
+        run = lambda: (raw_seq if method == "raw seq" else raw_par)(own, samples)
+    barrier.wait()
+    started = time.time()
+    run()
+    results.put((rank, started, time.time()))
+
+
+def run_processes(method: str, directory: str, shares: list[list[int]], hidden: int, layers: int, seed: int,
+                  before: str | None) -> float:
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(len(shares))
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(method, directory, lengths, hidden, layers, seed, rank, barrier,
+                                               results, before)) for rank, lengths in enumerate(shares)]
+    for p in procs:
+        p.start()
+    got = [results.get() for _ in procs]
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"{method} worker failed with exit code {p.exitcode}")
+    return max(end for _, _, end in got) - min(start for _, start, _ in got)
+
+
+# ---- driver -----------------------------------------------------------------------------------------------
+
+def measure(args, mix: str, hidden: int, writers: int) -> dict:
+    token_bytes = 2 * hidden * (args.layers + 1) + 5
+    budget = int(args.gib * 2**30 / token_bytes)
+    lengths = make_lengths(mix, budget, args.seed)
+    scratch = os.path.join(args.dir, "out")
+    methods = ["raw seq", "raw par", "hsdata"] + (["hsdata before"] if args.before else []) + \
+        [f"hsdata {v}" for v in args.variants]
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    if writers == 1:
+        samples = make_samples(lengths, hidden, args.layers, args.seed)
+        nbytes = sum(sample_nbytes(s) for s in samples)
+        run = {"raw seq": lambda: raw_seq(scratch, samples), "raw par": lambda: raw_par(scratch, samples)}
+        for m in methods[2:]:
+            run[m] = lambda m=m: write_hsdata(scratch, samples, hidden, args.layers,
+                                              package=hsdata_module(m, args.before), method=m)
+    else:
+        shares = [lengths[r::writers] for r in range(writers)]
+        nbytes = sum(n * token_bytes for n in lengths)
+        run = {m: (lambda m=m: run_processes(m, scratch, shares, hidden, args.layers, args.seed, args.before))
+               for m in methods}
+    clear(scratch)
+    drop_caches()
+    run["raw par"]()  # untimed: the first pass after a large delete is often slow on a discard-mounted disk
+    for r in range(args.repeat):
+        order = methods[r % len(methods):] + methods[: r % len(methods)]
+        for m in order:
+            clear(scratch)
+            drop_caches()
+            started = time.perf_counter()
+            inner = run[m]()
+            elapsed = time.perf_counter() - started
+            times[m].append(inner if writers > 1 else elapsed)  # N processes: barrier to the last one done
+    clear(scratch)
+    med = {m: statistics.median(t) for m, t in times.items()}
+    best_raw = min(med["raw seq"], med["raw par"])
+    paired = [min(times["raw seq"][i], times["raw par"][i]) / times["hsdata"][i] for i in range(args.repeat)]
+    row = {"mix": mix, "hidden": hidden, "writers": writers, "samples": len(lengths), "tokens": sum(lengths),
+           "bytes": nbytes, "times": times, "median_s": med,
+           "gbps": {m: nbytes / s / 1e9 for m, s in med.items()},
+           "hsdata_x_best_raw": best_raw / med["hsdata"], "paired_ratios": paired,
+           "x_best_raw": {m: best_raw / med[m] for m in methods}}
+    print(f"{mix:6s} H={hidden} writers={writers} {len(lengths):>7,} samples {nbytes / 1e9:.2f} GB | "
+          + " | ".join(f"{m} {med[m]:.2f} s {row['gbps'][m]:.2f} GB/s ({row['x_best_raw'][m]:.2f}x)" for m in methods)
+          + f" | hsdata x best raw {row['hsdata_x_best_raw']:.3f} (paired {', '.join(f'{p:.2f}' for p in paired)})",
+          flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", required=True, help="scratch directory on the disk to measure (emptied)")
+    parser.add_argument("--gib", type=float, default=2.0, help="payload per measurement")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
+    parser.add_argument("--layers", type=int, default=3, help="aux layers (EAGLE-3: 3)")
+    parser.add_argument("--mix", nargs="+", default=["chat", "long"], choices=sorted(MIXES))
+    parser.add_argument("--writers", type=int, nargs="+", default=[1, 2], help="writer processes")
+    parser.add_argument("--repeat", type=int, default=3, help="paired rounds; medians are reported")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--before", help="folder holding an older hsdata as package hsdata_old: adds method "
+                        "'hsdata before' (git archive HEAD hsdata | tar -x -C DIR; mv DIR/hsdata DIR/hsdata_old)")
+    parser.add_argument("--variants", nargs="*", default=[], choices=["no-wb"],
+                        help="ablations: no-wb = without early writeback (sync_file_range)")
+    parser.add_argument("--json", help="also write results here")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        parser.error("cold passes drop the page cache: run as root")
+    if os.path.realpath(args.dir).startswith("/dev/shm"):
+        parser.error("--dir must be on the disk to measure, not tmpfs")
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    rows = [measure(args, mix, hidden, writers) for writers in args.writers for hidden in args.hidden
+            for mix in args.mix]
+    shutil.rmtree(args.dir, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
