@@ -20,7 +20,7 @@ from .layout import (MANIFESTS, PART_ATTRIBUTE, PARTS, PROVENANCE_ATTRIBUTE, ROO
                      array_document, array_node, check_provenance, encode_json, group_document, load_root,
                      metadata_key, part_node, shard_key)
 from .shard import ShardEncoder
-from .spec import StoreSpec
+from .spec import FINAL_HIDDEN_STATE, StoreSpec
 from .storage import Storage
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
@@ -30,7 +30,8 @@ INLINE_BYTES = 1 << 20  # rows of a sample smaller than this are written on the 
 def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None = None, *,
            dtype: Any = "bfloat16", compute_dtype: Any = None, vocab_size: int | None = None,
            shard_tokens: int | None = None, chunk_tokens: int | None = None, storage_options: dict | None = None,
-           max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, provenance: dict | None = None) -> Writer:
+           max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, provenance: dict | None = None,
+           final_hidden_state: str = FINAL_HIDDEN_STATE) -> Writer:
     """Create a store at ``url`` (any fsspec URL), or join an existing one with the same spec as a new writer.
 
     ``aux_layers`` are "output of layer k" ids (HF ``hidden_states[k + 1]``). ``dtype`` is how the hidden states
@@ -42,12 +43,15 @@ def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None 
     ``provenance`` is free-form JSON about how the data was made (tokenizer, data source, command, ...; string
     keys, at most 64 KiB): recorded in the root metadata by the writer that creates the store (``Store.provenance``,
     ``hsdata info``), in this writer's part otherwise. Checked before anything is written (``ValueError``).
+    ``final_hidden_state``: what ``hidden_states`` holds, ``"post_norm"`` (hsdata's extraction) or ``"pre_norm"``
+    (dumps imported as they are).
     """
     if max_pending_bytes <= 0:
         raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
     provenance = None if provenance is None else check_provenance(provenance)
     requested = StoreSpec.new(hidden_size, aux_layers, model, dtype=dtype, compute_dtype=compute_dtype,
-                              vocab_size=vocab_size, shard_tokens=shard_tokens, chunk_tokens=chunk_tokens)
+                              vocab_size=vocab_size, shard_tokens=shard_tokens, chunk_tokens=chunk_tokens,
+                              final_hidden_state=final_hidden_state)
     storage = Storage(url, storage_options)
     if not storage.exists(ROOT_METADATA):
         attributes = {SPEC_ATTRIBUTE: requested.to_dict()}

@@ -19,23 +19,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import manifest, removals
+from .. import manifest
 from ..dtypes import DTYPES
 from ..errors import HsdataError, NotAStoreError
-from ..layout import (
-    PROVENANCE_ATTRIBUTE,
-    ROOT_METADATA,
-    SPEC_ATTRIBUTE,
-    check_provenance,
-    encode_json,
-    group_document,
-    load_root,
-)
+from ..layout import ROOT_METADATA, load_root
 from ..reader import open as open_store
 from ..repair import remove_samples
-from ..spec import TENSOR_NAMES, StoreSpec
+from ..spec import TENSOR_NAMES
 from ..storage import Storage
-from ..writer import DEFAULT_MAX_PENDING_BYTES, Writer
+from ..writer import DEFAULT_MAX_PENDING_BYTES, Writer, create
 from . import BadSourceError, SourceSample, dtype_name, get
 
 DEFAULT_COMMIT_BYTES = 1 << 30
@@ -195,29 +187,16 @@ class _Session:
         self.rechecked: dict[str, dict] = {}  # committed samples to verify again: sample id -> source hashes
 
     def _open_writer(self, sample: SourceSample) -> Writer:
-        """``hsdata.create`` with the format's kind of final state: the root written here if there is none yet
-        (exclusively: a concurrent importer may win), then joined. An existing store's hidden size and dtype
-        win over the first sample's (which is then checked like every other)."""
+        """``hsdata.create`` with the format's kind of final state. An existing store's hidden size and dtype win
+        over the first sample's (which is then checked like every other)."""
         hidden, dtype = sample.hidden_size, dtype_name(sample.hidden_states)
-        exists = self.storage.exists(ROOT_METADATA)
-        if exists:
+        if self.storage.exists(ROOT_METADATA):
             spec = load_root(self.storage)[0]
             hidden, dtype = spec.hidden_size, spec.dtype
-        requested = StoreSpec.new(hidden, self.spec_args["aux_layers"], self.spec_args["model"], dtype=dtype,
-                                  vocab_size=self.spec_args["vocab_size"],
-                                  final_hidden_state=self.module.FINAL_HIDDEN_STATE)
-        if not exists:
-            attributes = {SPEC_ATTRIBUTE: requested.to_dict()}
-            if self.provenance:
-                attributes[PROVENANCE_ATTRIBUTE] = check_provenance(self.provenance)
-            self.storage.write_bytes(ROOT_METADATA, encode_json(group_document(attributes)), exclusive=True)
-        spec, root_provenance = load_root(self.storage)
-        spec.check_joinable(requested, explicit=set())
-        committed = removals.load(self.storage).drop_rows(manifest.load(self.storage)).column("sample_id")
-        part_provenance = self.provenance if self.provenance and self.provenance != root_provenance else None
-        return Writer(self.storage, spec, committed_ids=committed.to_pylist(),
+        return create(self.dest, hidden, self.spec_args["aux_layers"], self.spec_args["model"], dtype=dtype,
+                      vocab_size=self.spec_args["vocab_size"], storage_options=self.storage_options,
                       max_pending_bytes=min(MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_BYTES),
-                      provenance=part_provenance)
+                      provenance=self.provenance, final_hidden_state=self.module.FINAL_HIDDEN_STATE)
 
     def _read(self, rel: str) -> SourceSample | None:
         try:
