@@ -11,8 +11,10 @@ import collections
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 from . import inputs, manifest, removals
 from .errors import DuplicateSampleError, WriterError
@@ -165,8 +167,7 @@ class Writer:
             while True:
                 (kind, payload), nbytes = self._queue.get()
                 if kind == "sample":
-                    self._part.append(payload)
-                    self._queue.release(nbytes)
+                    self._part.append(payload, partial(self._queue.release, nbytes))
                     continue
                 request = payload
                 if kind == "abort":
@@ -232,7 +233,14 @@ class _PendingQueue:
 
 
 class _PartWriter:
-    """Background-thread state of one part: the open shard, samples written but not committed, commits."""
+    """Background-thread state of one part: the open shard, samples written but not committed, commits.
+
+    Nothing here waits for the disk on the writer thread. Each tensor has a lane, one thread that runs that
+    tensor's file work in the order it was submitted (rows, then the shard's finish and fsync, then the next
+    shard's rows), so a large tensor's writes never wait for a small tensor's, nor one sample for the previous one.
+    Large tensors are hashed on a pool beside their writes. Commits run in order on a committer thread once the
+    files and hashes they cover are done; a sample's queued bytes are released when its writes and hashes are.
+    """
 
     def __init__(self, storage: Storage, spec: StoreSpec, part: str, provenance: dict | None):
         self.storage = storage
@@ -243,17 +251,29 @@ class _PartWriter:
         self._next_token = 0  # where the next sample starts in this part's arrays
         self._shard: int | None = None  # the shard being written
         self._files: dict[str, tuple] = {}  # tensor -> (AtomicWriter, ShardEncoder) of the open shard
-        self._uncommitted: list[manifest.Row] = []
+        self._uncommitted: list[_PendingRow] = []
+        self._closed_files: list[Future] = []  # commits of closed shards' files not yet covered by a commit
+        self._closing: list[tuple] = []  # (AtomicWriter, its commit) of closed shards, until committed
         self._seq = 0
-        self._array_tokens = 0  # shape last written to the arrays' zarr.json
-        self._pool = ThreadPoolExecutor(2 * len(spec.tensors), thread_name_prefix=f"hsdata-shard-{part}")
+        self._array_tokens = 0  # shape last written to the arrays' zarr.json (committer thread only)
+        self._lanes = {t.name: ThreadPoolExecutor(1, thread_name_prefix=f"hsdata-{t.name}-{part}")
+                       for t in spec.tensors}
+        self._last = {name: _DONE for name in self._lanes}  # each lane's latest task
+        self._pool = ThreadPoolExecutor(len(spec.tensors), thread_name_prefix=f"hsdata-hash-{part}")
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"hsdata-commit-{part}")
+        self._last_commit: Future = _DONE
         self._row_nbytes = sum(t.row_nbytes for t in spec.tensors)  # one token of every tensor
+        self._failure: BaseException | None = None
 
-    def append(self, sample: inputs.Sample) -> None:
-        """Stream the sample's rows into the open shard(s); each tensor's writes (with their crc32c) and its xxh3
-        on threads of their own (they release the GIL), a small sample's on this thread (a hand-off costs more);
-        the shard files closed and committed in step at shard boundaries."""
+    def append(self, sample: inputs.Sample, on_written: Callable[[], None]) -> None:
+        """Stream the sample's rows into the open shard(s) and return; ``on_written`` runs once its writes and
+        hashes are done (failed or not). A small sample is written on this thread when the lanes are idle (a
+        hand-off costs more than the work). A full shard is closed and committed behind the writes."""
+        self._raise_failure()
         start, total, shard_tokens = self._next_token, sample.num_tokens, self.spec.shard_tokens
+        tasks: list[Future] = []
+        hashes: dict[str, Any] = {} if sample.has_loss_mask else {"loss_mask": None}  # filled by the first piece
+        self._uncommitted.append(_PendingRow(sample.sample_id, start, total, hashes, sample.meta, manifest.now()))
         done = 0
         while done < total:
             position = start + done
@@ -262,53 +282,81 @@ class _PartWriter:
                 self._open_shard(shard)
             count = min(total - done, (shard + 1) * shard_tokens - position)
             first = done == 0
-            if count * self._row_nbytes < INLINE_BYTES:  # a hand-off to 4 threads costs more than the work
-                hashes = {name: self._write_rows(name, array, done, count, first)
-                          for name, array in sample.arrays.items()}
-            else:  # every tensor's writes on a thread of their own, its xxh3 on another one alongside
-                writes = [self._pool.submit(self._write_rows, name, array, done, count, False)
-                          for name, array in sample.arrays.items()]
-                hashing = {name: self._pool.submit(manifest.content_hash, array)
-                           for name, array in sample.arrays.items()} if first else {}
-                for task in (*writes, *hashing.values()):
-                    task.exception()  # all done before any error is raised: none still uses a file after it
-                for task in writes:
-                    task.result()
-                hashes = {name: task.result() for name, task in hashing.items()}
-            if first:
-                if not sample.has_loss_mask:
-                    hashes["loss_mask"] = None
-                self._uncommitted.append(manifest.Row(sample.sample_id, self.part, start, total, hashes,
-                                                      sample.meta, manifest.now()))
+            if count * self._row_nbytes < INLINE_BYTES and all(task.done() for task in self._last.values()):
+                for name, array in sample.arrays.items():
+                    value = self._write_rows(self._files[name][1], array, done, count, first and name not in hashes)
+                    if first:
+                        hashes.setdefault(name, value)
+            else:
+                small = count * self._row_nbytes < INLINE_BYTES  # hashed in its lane, not on the pool
+                for name, array in sample.arrays.items():
+                    hash_it = first and name not in hashes
+                    task = self._submit(name, self._write_rows, self._files[name][1], array, done, count,
+                                        hash_it and small)
+                    tasks.append(task)
+                    if hash_it:
+                        hashes[name] = task if small else self._pool.submit(manifest.content_hash, array)
+                        tasks.append(hashes[name])
             done += count
             self._next_token = position + count
             if self._next_token % shard_tokens == 0:
                 self._close_shard()
                 self._commit()
+        _when_all(tasks, on_written)
 
-    def _write_rows(self, name: str, array, first_row: int, count: int, with_hash: bool) -> int | None:
-        self._files[name][1].write(memoryview(array[first_row : first_row + count]))
+    @staticmethod
+    def _write_rows(encoder: ShardEncoder, array, first_row: int, count: int, with_hash: bool) -> int | None:
+        encoder.write(memoryview(array[first_row : first_row + count]))
         return manifest.content_hash(array) if with_hash else None
 
     def flush(self) -> None:
-        """Close the open shard, even if partly filled (the next sample starts in a new shard), and commit."""
+        """Close the open shard, even if partly filled (the next sample starts in a new shard), commit, and wait
+        until everything written so far is committed."""
         if self._shard is not None:
             self._next_token = (self._shard + 1) * self.spec.shard_tokens
             self._close_shard()
         self._commit()
+        self._last_commit.result()
+        self._raise_failure()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        for executor in (*self._lanes.values(), self._pool, self._committer):
+            executor.shutdown(wait=True)
 
     def abort(self) -> None:
-        """Discard the open shard's partial files (best effort: this runs after failures too)."""
-        for writer, _ in self._files.values():
+        """Discard the open shard's partial files, and those of closed shards that failed to commit, once no lane
+        uses them (best effort: this runs after failures too). Committed shard files not yet in a manifest stay
+        for ``hsdata gc``."""
+        for task in (*self._last.values(), self._last_commit):
+            task.exception()
+        failed = [writer for writer, task in self._closing if task.exception() is not None]
+        for writer in (*failed, *(writer for writer, _ in self._files.values())):
             try:
                 writer.abort()
             except OSError:
                 pass
+        self._closing = []
         self._files.clear()
         self._shard = None
+
+    def _submit(self, lane: str, fn: Callable, *args) -> Future:
+        task = self._lanes[lane].submit(self._unless_failed, fn, *args)
+        task.add_done_callback(self._note_failure)
+        self._last[lane] = task
+        return task
+
+    def _unless_failed(self, fn: Callable, *args):
+        """Lane work runs only while nothing has failed: a shard whose writes failed is never committed."""
+        self._raise_failure()
+        return fn(*args)
+
+    def _note_failure(self, task: Future) -> None:
+        if task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
     def _open_shard(self, shard: int) -> None:
         for tensor in self.spec.tensors:
@@ -317,14 +365,14 @@ class _PartWriter:
         self._shard = shard
 
     def _close_shard(self) -> None:
-        """Finish and commit the shard's files, each on its tensor's thread: their fsyncs overlap (the disk sees
-        every file's tail at once, as when the tensors were written)."""
-        tasks = [self._pool.submit(self._commit_file, writer, encoder) for writer, encoder in self._files.values()]
-        for task in tasks:
-            task.exception()  # wait for all before raising: no commit still running behind an error
-        for task in tasks:
-            task.result()
-        self._files.clear()
+        """Finish and commit the shard's files, each in its tensor's lane after its writes: their fsyncs overlap
+        (the disk sees every file's tail at once, as when the tensors were written)."""
+        self._closing = [(writer, task) for writer, task in self._closing if not task.done() or task.exception()]
+        for name, (writer, encoder) in self._files.items():
+            task = self._submit(name, self._commit_file, writer, encoder)
+            self._closed_files.append(task)
+            self._closing.append((writer, task))
+        self._files = {}
         self._shard = None
 
     @staticmethod
@@ -333,10 +381,21 @@ class _PartWriter:
         writer.commit()
 
     def _commit(self) -> None:
-        """Make every sample that lies in closed shards visible: array metadata first, the manifest last."""
+        """Hand every sample that lies in closed shards to the committer, with the file commits it waits for."""
         complete = [r for r in self._uncommitted if r.token_offset + r.num_tokens <= self._next_token]
         if not complete:
             return
+        self._uncommitted = self._uncommitted[len(complete) :]
+        files, self._closed_files = self._closed_files, []
+        self._last_commit = self._committer.submit(self._commit_rows, complete, files)
+        self._last_commit.add_done_callback(self._note_failure)
+
+    def _commit_rows(self, pending: list[_PendingRow], files: list[Future]) -> None:
+        """Make ``pending`` visible: their files and hashes done, array metadata next, the manifest last."""
+        for task in files:
+            task.result()
+        rows = [row.resolve(self.part) for row in pending]
+        self._raise_failure()  # a lane's failed writes are never made visible
         documents = {}  # key -> bytes, written (and fsynced) in parallel, all before the manifest
         if self._seq == 0:
             documents[metadata_key(PARTS)] = encode_json(group_document())
@@ -344,7 +403,7 @@ class _PartWriter:
             if self.provenance:
                 info["provenance"] = self.provenance
             documents[metadata_key(part_node(self.part))] = encode_json(group_document({PART_ATTRIBUTE: info}))
-        tokens = max(r.token_offset + r.num_tokens for r in complete)
+        tokens = max(r.token_offset + r.num_tokens for r in rows)
         if tokens > self._array_tokens:
             for tensor in self.spec.tensors:
                 document = array_document(self.spec, tensor, tokens)
@@ -355,7 +414,50 @@ class _PartWriter:
         for task in tasks:
             task.result()
         self._array_tokens = max(tokens, self._array_tokens)
-        manifest.write(self.storage, self.part, self._seq, complete)
+        manifest.write(self.storage, self.part, self._seq, rows)
         self._seq += 1
-        self.num_committed += len(complete)
-        self._uncommitted = self._uncommitted[len(complete) :]
+        self.num_committed += len(rows)
+
+
+@dataclass
+class _PendingRow:
+    """A written sample's manifest row, its hashes possibly still being computed."""
+
+    sample_id: str
+    token_offset: int
+    num_tokens: int
+    hashes: dict[str, Any]  # tensor -> hash, None (no loss mask) or the Future computing it
+    meta: str | None
+    created: datetime
+
+    def resolve(self, part: str) -> manifest.Row:
+        hashes = {name: value.result() if isinstance(value, Future) else value for name, value in self.hashes.items()}
+        return manifest.Row(self.sample_id, part, self.token_offset, self.num_tokens, hashes, self.meta, self.created)
+
+
+def _done_future() -> Future:
+    done: Future = Future()
+    done.set_result(None)
+    return done
+
+
+_DONE = _done_future()
+
+
+def _when_all(tasks: list[Future], callback: Callable[[], None]) -> None:
+    """Run ``callback`` once every task is done (at once if there are none), on the thread finishing the last."""
+    if not tasks:
+        callback()
+        return
+    remaining = [len(tasks)]
+    lock = threading.Lock()
+
+    def one_done(_task: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            callback()
+
+    for task in tasks:
+        task.add_done_callback(one_done)
