@@ -14,6 +14,7 @@ Ratios are medians over rounds of (raw pass time / method pass time), each round
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 
@@ -71,6 +72,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
     parser.add_argument("--in-process-only", action="store_true",
                         help="only the raw reads and hsdata in the training process (no workers, no torch.save files)")
+    parser.add_argument("--json", help="also write results here")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
@@ -95,6 +97,7 @@ def main() -> None:
     gb = built["bytes"] / 1e9
     print(f"{len(lengths)} samples, {sum(lengths)} tokens, {gb:.2f} GB, hidden {args.hidden}")
     raw_names = ("raw pread (same bytes)", f"raw pread, {args.workers} threads")
+    rows = []
     for mode in args.modes:
         times = interleaved_times(methods, mode=mode, repeat=args.repeat)
         for name, t in times.items():
@@ -103,6 +106,13 @@ def main() -> None:
             print(f"{mode:4} {name:38} {seconds:6.2f} s  {len(lengths) / seconds:7.1f} samples/s  "
                   f"{gb / seconds:5.2f} GB/s  x raw 1 thread {paired[0]:4.2f}  x raw {args.workers} threads "
                   f"{paired[1]:4.2f}   (all {[round(x, 2) for x in t]})")
+            rows.append({"mode": mode, "method": name, "s": seconds, "samples_per_s": len(lengths) / seconds,
+                         "GB_per_s": gb / seconds, "x_raw_1_thread": paired[0],
+                         f"x_raw_{args.workers}_threads": paired[1], "all_s": t})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "samples": len(lengths), "tokens": int(sum(lengths)), "GB": gb,
+                       "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

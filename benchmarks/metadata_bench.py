@@ -172,7 +172,7 @@ def child(code: str, *args: str, pythonpath: str | None = None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/tmp/hsmeta")
-    parser.add_argument("--samples", type=int, default=1_000_000)
+    parser.add_argument("--samples", type=int, nargs="+", default=[1_000_000], help="store sizes, measured in turn")
     parser.add_argument("--writers", type=int, default=2)
     parser.add_argument("--shard-tokens", type=int, default=65536)
     parser.add_argument("--runs", type=int, default=5)
@@ -184,28 +184,36 @@ def main() -> None:
                         help="also measure other copies of hsdata (a folder holding an hsdata package), their runs "
                         "interleaved with this checkout's, e.g. before=/tmp/hsdata-before")
     args = parser.parse_args()
-
     args.dir = os.path.abspath(args.dir)
     os.makedirs(args.dir, exist_ok=True)
-    key = f"{args.samples}-{args.writers}-{args.shard_tokens}"
-    store_path, files_path = os.path.join(args.dir, f"store-{key}"), os.path.join(args.dir, f"files-{args.samples}")
+    versions = dict(item.split("=", 1) for item in args.compare)
+    result = {"args": vars(args), "sizes": [measure(args, samples, versions) for samples in args.samples]}
+    print(markdown(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def measure(args, samples: int, versions: dict[str, str]) -> dict:
+    """Build (or reuse) a store and a file tree of ``samples`` samples; every version's runs and the baselines'."""
+    key = f"{samples}-{args.writers}-{args.shard_tokens}"
+    store_path, files_path = os.path.join(args.dir, f"store-{key}"), os.path.join(args.dir, f"files-{samples}")
     built: dict = {}
     if not (args.reuse and os.path.exists(os.path.join(store_path, ".built"))):
-        built["store_build_s"] = build_store(store_path, args.samples, args.writers, args.shard_tokens)
+        built["store_build_s"] = build_store(store_path, samples, args.writers, args.shard_tokens)
         open(os.path.join(store_path, ".built"), "w").close()
     if not args.no_files and not (args.reuse and os.path.exists(os.path.join(files_path, ".built"))):
-        built["files_build_s"] = build_files(files_path, args.samples)
+        built["files_build_s"] = build_files(files_path, samples)
         open(os.path.join(files_path, ".built"), "w").close()
     if built:
         print("built:", json.dumps(built), flush=True)
 
     rng = np.random.default_rng(0)
-    probes = os.path.join(args.dir, f"probes-{args.samples}.json")
+    probes = os.path.join(args.dir, f"probes-{samples}.json")
     with open(probes, "w") as f:
-        json.dump([sample_id(int(i)) for i in rng.integers(0, args.samples, 1001 + 100_000)], f)
+        json.dump([sample_id(int(i)) for i in rng.integers(0, samples, 1001 + 100_000)], f)
     manifests = len([n for n in os.listdir(os.path.join(store_path, "manifests")) if not n.startswith(".")])
     runs: dict[str, list[dict]] = {}
-    versions = dict(item.split("=", 1) for item in args.compare)
     for mode in ("cold", "warm"):
         if mode == "warm":  # the untimed pass
             child(CHILD_STORE, store_path, probes)
@@ -222,37 +230,43 @@ def main() -> None:
                 else:
                     result = child(CHILD_FILES, files_path, "scandir" if what == "scandir" else "find")
                 runs.setdefault(f"{mode} {what}", []).append(result)
-                print(mode, what, json.dumps(result), flush=True)
+                print(samples, mode, what, json.dumps(result), flush=True)
+    return {"samples": samples, "built": built, "manifests": manifests, "writers": args.writers,
+            "shard_tokens": args.shard_tokens, "runs": runs}
+
+
+def markdown(result: dict) -> str:
+    """Medians of each size's runs: hsdata's open and lookups, then the per-sample-file listing baseline."""
 
     def med(rows: list[dict], name: str) -> float:
         return statistics.median(r[name] for r in rows)
 
-    print(f"\n{args.samples:,} samples in {manifests} manifests ({args.writers} parts, shard_tokens "
-          f"{args.shard_tokens:,}); medians of {args.runs} runs\n")
-    print("| hsdata | mode | open s | open CPU s | first get ms | len us | sample_ids us | lengths.sum ms | get x1000 ms | index us/id "
-          "| RSS after open MiB | after first get MiB | at end MiB |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for version, mode in [(v, m) for v in ("hsdata", *versions) for m in ("cold", "warm")]:
-        rows = runs[f"{mode} {version}"]
-        n = rows[0]["index_rest_n"]
-        print(f"| {'this checkout' if version == 'hsdata' else version} | {mode} | {med(rows, 'open_s'):.3f} | {med(rows, 'open_cpu_s'):.3f} | "
-              f"{med(rows, 'first_get_s') * 1e3:.1f} | "
-              f"{med(rows, 'len_s') * 1e6:.1f} | {med(rows, 'sample_ids_s') * 1e6:.1f} | "
-              f"{med(rows, 'lengths_sum_s') * 1e3:.2f} | {med(rows, 'get_1000_s') * 1e3:.0f} | "
-              f"{med(rows, 'index_rest_s') / max(n, 1) * 1e6:.2f} | {med(rows, 'rss_open_mib'):.0f} | "
-              f"{med(rows, 'rss_first_get_mib'):.0f} | {med(rows, 'rss_end_mib'):.0f} |")
-    if not args.no_files:
-        print(f"\nper-sample files: {args.samples:,} empty files in {FILES_PER_DIR}-file folders\n")
-        print("| mode | method | list s | RSS MiB |")
-        print("|---|---|---:|---:|")
-        for mode in ("cold", "warm"):
-            for what in ("scandir", "fsspec find"):
-                rows = runs[f"{mode} {what}"]
-                print(f"| {mode} | {what} | {med(rows, 'list_s'):.3f} | {med(rows, 'rss_mib'):.0f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "built": built, "manifests": manifests, "runs": runs}, f, indent=1)
-
+    out = ["| samples | hsdata | mode | open s | open CPU s | first get ms | len us | sample_ids us | lengths.sum ms "
+           "| get x1000 ms | index us/id | RSS after open MiB | after first get MiB | at end MiB "
+           "| list files s | list / hsdata open | files RSS MiB |",
+           "|---:|---|---|" + "---:|" * 14]
+    for size in result["sizes"]:
+        runs = size["runs"]
+        versions = sorted({key.split(" ", 1)[1] for key in runs} - {"scandir", "fsspec find"},
+                          key=lambda v: v != "hsdata")
+        for version, mode in [(v, m) for v in versions for m in ("cold", "warm")]:
+            rows = runs[f"{mode} {version}"]
+            n = rows[0]["index_rest_n"]
+            files = runs.get(f"{mode} scandir")
+            listing = (f"{med(files, 'list_s'):.3f} | {med(files, 'list_s') / med(rows, 'open_s'):.1f} | "
+                       f"{med(files, 'rss_mib'):.0f}") if files and version == "hsdata" else " | | "
+            out.append(
+                f"| {size['samples']:,} | {'this checkout' if version == 'hsdata' else version} | {mode} | "
+                f"{med(rows, 'open_s'):.3f} | {med(rows, 'open_cpu_s'):.3f} | {med(rows, 'first_get_s') * 1e3:.1f} | "
+                f"{med(rows, 'len_s') * 1e6:.1f} | {med(rows, 'sample_ids_s') * 1e6:.1f} | "
+                f"{med(rows, 'lengths_sum_s') * 1e3:.2f} | {med(rows, 'get_1000_s') * 1e3:.0f} | "
+                f"{med(rows, 'index_rest_s') / max(n, 1) * 1e6:.2f} | {med(rows, 'rss_open_mib'):.0f} | "
+                f"{med(rows, 'rss_first_get_mib'):.0f} | {med(rows, 'rss_end_mib'):.0f} | {listing} |")
+    first = result["sizes"][0]
+    out += ["", f"{first['writers']} writer parts, shard_tokens {first['shard_tokens']:,}; medians of "
+            f"{result['args']['runs']} runs; list files: an `os.scandir` walk of as many empty "
+            f"`rows_*/data_*.ckpt` files ({FILES_PER_DIR} per folder), each run in a fresh process."]
+    return "\n".join(out)
 
 if __name__ == "__main__":
     main()

@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--workdir", default="/tmp/migrate-bench")
+    parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
     shutil.rmtree(args.workdir, ignore_errors=True)
     src, store, out = (os.path.join(args.workdir, n) for n in ("src", "store", "out"))
@@ -73,14 +74,18 @@ def main() -> None:
     resume_s = timed([*hsdata, "import", "--from", args.format, src, store, "--aux-layers", "1", "15", "28"])
     export_s = timed([*hsdata, "export", "--to", args.format, store, out])
     mib = payload / 2**20
-    print(json.dumps({
+    result = {
         "format": args.format, "samples": args.samples, "tokens_per_sample": args.tokens, "hidden": args.hidden,
         "payload_mib": round(mib, 1), "source_disk_mib": round(disk_bytes(src) / 2**20, 1),
         "store_disk_mib": round(disk_bytes(store) / 2**20, 1), "export_disk_mib": round(disk_bytes(out) / 2**20, 1),
         "import_s": round(import_s, 2), "import_mib_s": round(mib / import_s, 1),
         "resume_noop_s": round(resume_s, 2), "export_s": round(export_s, 2), "export_mib_s": round(mib / export_s, 1),
         "cpus": os.cpu_count(),
-    }, indent=2))
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
     shutil.rmtree(args.workdir, ignore_errors=True)
 
 

@@ -9,6 +9,7 @@ as many threads as validate's workers.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", help="also write results here")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
@@ -67,9 +69,16 @@ def main() -> None:
           f"{args.repeat}")
     base = {name: float(np.median(t)) for name, t in times.items()}
     raw1, rawn = base["raw read 1 thread"], base[f"raw read {args.workers} threads"]
+    rows = []
     for name, seconds in base.items():
         print(f"{name:32} {seconds:6.2f} s  {nbytes / 1e9 / seconds:5.2f} GB/s  x raw 1 thread {raw1 / seconds:4.2f}  "
               f"x raw {args.workers} threads {rawn / seconds:4.2f}   (all: {[round(t, 2) for t in times[name]]})")
+        rows.append({"method": name, "s": seconds, "GB_per_s": nbytes / 1e9 / seconds, "x_raw_1_thread": raw1 / seconds,
+                     f"x_raw_{args.workers}_threads": rawn / seconds, "all_s": times[name]})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "files": len(files), "bytes": nbytes, "samples": len(lengths),
+                       "mode": "cold", "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
