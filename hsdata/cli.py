@@ -252,6 +252,7 @@ def summarize(store: Store) -> dict:
         "length": dict(zip(("min", "p50", "p90", "p99", "max"), quantiles),
                        mean=float(lengths.mean()) if len(lengths) else 0.0),
         "provenance": store.provenance,
+        "part_provenance": store.part_provenance,
     }
 
 
@@ -259,7 +260,8 @@ def _info(args: argparse.Namespace) -> int:
     with open_store(args.store, storage_options=_storage_options(args.storage_option)) as store:
         summary = summarize(store)
     if args.json:
-        print(json.dumps({**_rounded(summary), "provenance": summary["provenance"]}, indent=2))  # as recorded
+        print(json.dumps({**_rounded(summary), "provenance": summary["provenance"],  # as recorded
+                          "part_provenance": summary["part_provenance"]}, indent=2))
         return 0
     length = summary["length"]
     print(f"store       {summary['url']}  (format v{summary['format_version']})")
@@ -279,6 +281,10 @@ def _info(args: argparse.Namespace) -> int:
     print("provenance" if provenance else "provenance  none recorded")
     for key, value in provenance.items():
         print(f"  {_one_line(key)}: {_one_line(value)}")
+    for part, recorded in summary["part_provenance"].items():  # writers that joined the store
+        print(f"part {_one_line(part)} provenance")
+        for key, value in recorded.items():
+            print(f"  {_one_line(key)}: {_one_line(value)}")
     return 0
 
 

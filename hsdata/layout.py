@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Sequence
 
 from .errors import CorruptDataError, NotAStoreError, UnsupportedFormatError
 from .spec import StoreSpec, TensorSpec
@@ -157,6 +157,23 @@ def load_root(storage) -> tuple[StoreSpec, dict[str, Any]]:
         raise CorruptDataError(f"{storage.describe(ROOT_METADATA)}: attributes.{PROVENANCE_ATTRIBUTE} must be a "
                                f"JSON object, got {type(provenance).__name__}")
     return spec, provenance
+
+
+def load_part_provenance(storage, parts: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """What writers that joined a store recorded in their parts (``hsdata_part.provenance``), by part; parts that
+    recorded none are left out."""
+    keys = [metadata_key(part_node(part)) for part in parts]
+    found = {}
+    for part, key, raw in zip(parts, keys, storage.read_many(keys, max_bytes=MAX_METADATA_BYTES)):
+        info = parse_document(raw, storage.describe(key)).get("attributes", {}).get(PART_ATTRIBUTE, {})
+        provenance = info.get("provenance") if isinstance(info, dict) else None
+        if provenance is None:
+            continue
+        if not isinstance(provenance, dict):
+            raise CorruptDataError(f"{storage.describe(key)}: attributes.{PART_ATTRIBUTE}.provenance must be a JSON "
+                                   f"object, got {type(provenance).__name__}")
+        found[part] = provenance
+    return found
 
 
 def check_provenance(provenance: Any) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -19,7 +20,8 @@ from .buffers import BufferPool
 from .cache import RangeCache
 from .errors import CorruptDataError
 from .ids import IdIndex, SampleIds, arrow_of, numpy_of, sorted_keys
-from .layout import MAX_METADATA_BYTES, array_node, load_root, metadata_key, parse_document, read_document, shard_key
+from .layout import (MAX_METADATA_BYTES, array_node, load_part_provenance, load_root, metadata_key, parse_document,
+                     read_document, shard_key)
 from .pool import ProcessLocalPool
 from .shard import CRC_NBYTES, ShardRange, chunks_per_shard, encoded_chunk_nbytes, index_nbytes, token_ranges
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
@@ -95,6 +97,13 @@ class Store:
     @property
     def url(self) -> str:
         return self._storage.url
+
+    @functools.cached_property
+    def part_provenance(self) -> dict[str, dict[str, Any]]:
+        """What writers that joined the store recorded (``hsdata.create(..., provenance=)`` on an existing store),
+        by part: only parts with committed samples that recorded one; the creator's is :attr:`provenance`. Read at
+        first use (one small document per part)."""
+        return load_part_provenance(self._storage, self._part_names)
 
     @property
     def sample_ids(self) -> SampleIds:

@@ -66,7 +66,7 @@ def test_a_store_without_provenance_opens_and_shows_none(store_path, capsys):
     assert json.loads(out)["provenance"] == {}
 
 
-def test_a_joining_writer_records_its_provenance_in_its_part_and_leaves_the_root_unchanged(store_path):
+def test_a_joining_writer_records_its_provenance_in_its_part_and_leaves_the_root_unchanged(store_path, capsys):
     with hsdata.create(str(store_path), **SPEC, **SMALL_LAYOUT, provenance={"run": 1}) as w:
         w.add("a", **make_sample(10, 0))
     root = (store_path / "zarr.json").read_bytes()
@@ -81,6 +81,26 @@ def test_a_joining_writer_records_its_provenance_in_its_part_and_leaves_the_root
     assert "provenance" not in first and "provenance" not in third
     assert second["provenance"] == {"run": 2, "source": "more"}
     assert hsdata.validate.validate(str(store_path)).ok
+    joined = store.location(store.index("b"))[0]
+    assert store.part_provenance == {joined: {"run": 2, "source": "more"}}  # the creator's and no-provenance parts: not
+    code, out, _ = run_main(capsys, "info", str(store_path))
+    assert code == 0 and out.splitlines()[-5:] == ["provenance", "  run: 1", f"part {joined} provenance", "  run: 2",
+                                                   "  source: more"]
+    code, out, _ = run_main(capsys, "info", str(store_path), "--json")
+    assert code == 0 and json.loads(out)["part_provenance"] == {joined: {"run": 2, "source": "more"}}
+
+
+def test_a_part_whose_provenance_is_not_an_object_is_corrupt(store_path):
+    with hsdata.create(str(store_path), **SPEC, **SMALL_LAYOUT) as w:
+        w.add("a", **make_sample(10, 0))
+    (part,) = part_attributes(store_path)
+    document = json.loads((store_path / "parts" / part / "zarr.json").read_text())
+    document["attributes"]["hsdata_part"]["provenance"] = ["not", "an", "object"]
+    (store_path / "parts" / part / "zarr.json").write_text(json.dumps(document))
+    store = hsdata.open(str(store_path))  # opening does not read parts' documents
+    with pytest.raises(hsdata.CorruptDataError, match=f"parts/{part}/zarr.json: attributes.hsdata_part.provenance "
+                                                      "must be a JSON object, got list"):
+        store.part_provenance
 
 
 def nested(depth: int) -> dict:
