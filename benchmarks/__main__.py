@@ -4,6 +4,7 @@
     python -m benchmarks --size large         # the sizes the figures in RESULTS.md were measured at
     python -m benchmarks --only formats read  # some of them
     python -m benchmarks --list
+    python -m benchmarks --render             # rewrite the RESULTS.md block from the saved JSON, running nothing
 
 Each benchmark is its own script (``benchmarks/<name>_bench.py``, runnable alone with the command line shown in its
 section), run here in a fresh process with the arguments of the chosen size. Its JSON goes to
@@ -49,7 +50,7 @@ SUITE = [
           "cold and warm, a DataLoader epoch, size on disk, files per TB",
           ("--dir", "{dir}", "--size", "small"), ("--dir", "{dir}", "--size", "large")),
     Bench("write", "write_bench.py", "the writer against raw writes of the same bytes, one and two processes",
-          ("--dir", "{dir}", "--gib", "0.5", "--hidden", "4096", "--mix", "chat", "short", "--writers", "1", "2"),
+          ("--dir", "{dir}", "--gib", "1", "--hidden", "4096", "--mix", "chat", "--writers", "1", "2"),
           ("--dir", "{dir}", "--gib", "4", "--hidden", "4096", "7168", "--mix", "chat", "short", "--writers", "1",
            "2")),
     Bench("read", "read_bench.py", "random-order sample reads against raw pread and zarr-python",
@@ -106,14 +107,14 @@ def command_line(bench: Bench, size: str, scratch: str, python: str = sys.execut
     return [python, os.path.join("benchmarks", bench.script), *args]
 
 
-def run(bench: Bench, size: str, scratch_root: str, results_dir: str, has_gpu: bool) -> dict:
+def run(bench: Bench, size: str, scratch_root: str, results_dir: str, facts: dict) -> dict:
     """Run one benchmark, its output shown as it comes; its record: the command, status, seconds and the script's
     JSON result."""
     scratch = os.path.join(scratch_root, bench.name)
     result_path = os.path.join(results_dir, f"{bench.name}.json")
     shown = shlex.join(command_line(bench, size, scratch, python="python"))
-    record = {"name": bench.name, "what": bench.what, "command": shown, "size": size}
-    if bench.gpu and not has_gpu:
+    record = {"name": bench.name, "what": bench.what, "command": shown, "size": size, "machine": machine_line(facts)}
+    if bench.gpu and facts["gpu"] is None:
         return {**record, "status": "skipped: needs a CUDA GPU, none here"}
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch, exist_ok=True)
@@ -144,11 +145,12 @@ def section(record: dict) -> str:
         if record.get("output"):
             lines += ["```", record["output"], "```", ""]
         return "\n".join(lines)
-    sys.path.insert(0, HERE)
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
     module = importlib.import_module(os.path.splitext(BY_NAME[record["name"]].script)[0])
     render = getattr(module, "markdown", None)
     lines += [render(record["result"]) if render else generic_markdown(record["result"]), "",
-              f"(size {record['size']}, {record['seconds']:.0f} s)", ""]
+              f"(size {record['size']}, {record['seconds']:.0f} s on {record['machine']})", ""]
     return "\n".join(lines)
 
 
@@ -188,6 +190,21 @@ def update_results(text: str, sections: dict[str, str], header: str) -> str:
     return before + BEGIN + "\n" + "\n\n".join(body) + "\n" + END + after
 
 
+def write_results(records: list[dict], header: str) -> None:
+    """Rewrite RESULTS.md's suite block: rendered in full first, then swapped in by a rename (a rendering error
+    leaves the file as it was)."""
+    with open(RESULTS) as f:
+        text = f.read()
+    updated = update_results(text, {r["name"]: section(r) for r in records}, header)
+    with open(RESULTS + ".partial", "w") as f:
+        f.write(updated)
+    os.replace(RESULTS + ".partial", RESULTS)
+
+
+def machine_line(facts: dict) -> str:
+    return f"{facts['cpus']} CPUs, {facts['memory_gib']} GiB, GPU {facts['gpu'] or 'none'}"
+
+
 def suite_header(size: str, facts: dict) -> str:
     gpu = facts["gpu"] or "none"
     return (f"## The benchmark suite (`python -m benchmarks`)\n\n"
@@ -205,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default="/tmp/hsdata-benchmarks", help="scratch folder (its contents are removed)")
     parser.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md (JSON is still written)")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    parser.add_argument("--render", action="store_true", help="run nothing: rewrite RESULTS.md's suite block from "
+                        "results/suite-<size>.json (e.g. after adding records from a run on another machine)")
     args = parser.parse_args(argv)
     if args.list:
         for b in SUITE:
@@ -214,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
     chosen = [b for b in SUITE if not args.only or b.name in args.only]
+    summary_path = os.path.join(HERE, "results", f"suite-{args.size}.json")
+    if args.render:
+        with open(summary_path) as f:
+            saved = json.load(f)
+        records = [saved["benchmarks"][b.name] for b in chosen if b.name in saved["benchmarks"]]
+        write_results(records, suite_header(args.size, saved["machine"]))
+        return 0
     facts = machine()
     results_dir = os.path.join(HERE, "results", f"suite-{args.size}")
     os.makedirs(results_dir, exist_ok=True)
@@ -222,11 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for i, bench in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {bench.name}: {bench.what}", file=sys.stderr, flush=True)
-        record = run(bench, args.size, args.dir, results_dir, has_gpu=facts["gpu"] is not None)
+        record = run(bench, args.size, args.dir, results_dir, facts)
         print(f"[{i}/{len(chosen)}] {bench.name}: {record['status']}"
               + (f" in {record['seconds']:.0f} s" if "seconds" in record else ""), file=sys.stderr, flush=True)
         records.append(record)
-    summary_path = os.path.join(HERE, "results", f"suite-{args.size}.json")
     previous = {}
     if os.path.exists(summary_path):
         with open(summary_path) as f:
@@ -235,10 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"machine": facts, "size": args.size,
                    "benchmarks": {**previous, **{r["name"]: r for r in records}}}, f, indent=1)
     if not args.no_results:
-        with open(RESULTS) as f:
-            text = f.read()
-        with open(RESULTS, "w") as f:
-            f.write(update_results(text, {r["name"]: section(r) for r in records}, suite_header(args.size, facts)))
+        write_results(records, suite_header(args.size, facts))
     failed = [r["name"] for r in records if r["status"].startswith("failed")]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

@@ -141,6 +141,8 @@ def write_hsdata(directory: str, samples: list[dict], hidden: int, layers: int, 
     saved = hsdata.storage.WRITEBACK_BYTES
     if method == "hsdata no-wb":  # ablation: no early writeback (sync_file_range) of the files being written
         hsdata.storage.WRITEBACK_BYTES = 1 << 62
+    elif method.startswith("hsdata wb-"):  # the early writeback started every N MiB instead
+        hsdata.storage.WRITEBACK_BYTES = int(method.removeprefix("hsdata wb-")) << 20
     try:
         with package.create(directory, hidden_size=hidden, aux_layers=list(range(1, layers + 1)), model="bench") as w:
             for i, sample in enumerate(samples):
@@ -257,6 +259,19 @@ def measure(args, mix: str, hidden: int, writers: int) -> dict:
     return row
 
 
+def markdown(result: dict) -> str:
+    """Each configuration's GB/s by method and the writer's ratio to the faster raw mode (medians, and per round)."""
+    methods = list(result["results"][0]["gbps"]) if result["results"] else []
+    out = ["| mix | H | writers | GB | " + " | ".join(f"{m} GB/s" for m in methods)
+           + " | **hsdata x best raw** | paired per round |",
+           "|---|---:|---:|---:|" + "---:|" * len(methods) + "---:|---|"]
+    for row in result["results"]:
+        out.append(f"| {row['mix']} | {row['hidden']} | {row['writers']} | {row['bytes'] / 1e9:.2f} | "
+                   + " | ".join(f"{row['gbps'][m]:.2f}" for m in methods)
+                   + f" | **{row['hsdata_x_best_raw']:.2f}** | {', '.join(f'{p:.2f}' for p in row['paired_ratios'])} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", required=True, help="scratch directory on the disk to measure (emptied)")
@@ -269,8 +284,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--before", help="folder holding an older hsdata as package hsdata_old: adds method "
                         "'hsdata before' (git archive HEAD hsdata | tar -x -C DIR; mv DIR/hsdata DIR/hsdata_old)")
-    parser.add_argument("--variants", nargs="*", default=[], choices=["no-wb"],
-                        help="ablations: no-wb = without early writeback (sync_file_range)")
+    parser.add_argument("--variants", nargs="*", default=[], choices=["no-wb", "wb-8", "wb-128", "wb-512"],
+                        help="ablations: no-wb = without early writeback (sync_file_range), wb-N = started every "
+                        "N MiB (default 32)")
     parser.add_argument("--json", help="also write results here")
     args = parser.parse_args()
     if os.geteuid() != 0:

@@ -33,7 +33,7 @@ def test_results_block_is_replaced_per_benchmark_and_keeps_the_rest():
 
 def test_sections_show_the_command_and_a_table_or_why_not():
     ok = {"name": "migrate", "what": "import and export", "command": "python benchmarks/migrate_bench.py --samples 16",
-          "size": "small", "status": "ok", "seconds": 3.0,
+          "size": "small", "status": "ok", "seconds": 3.0, "machine": "2 CPUs, 24 GiB, GPU none",
           "result": {"format": "specforge", "import_mib_s": 114.4, "nested": {"skipped": 1}}}
     text = suite["section"](ok)
     assert "python benchmarks/migrate_bench.py --samples 16" in text
@@ -59,3 +59,16 @@ def test_every_benchmark_accepts_its_suite_arguments(bench):
     for size in ("small", "large"):
         for flag in [a for a in suite["command_line"](bench, size, "/tmp/x") if a.startswith("--")] + ["--json"]:
             assert f'"{flag}"' in source, f"{bench.script} has no {flag} option (size {size})"
+
+
+def test_a_rendering_error_leaves_results_as_they_were(tmp_path, monkeypatch):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\nThe write-up.\n")
+    monkeypatch.setitem(suite["write_results"].__globals__, "RESULTS", str(results))
+    broken = {"name": "read", "what": "reads", "command": "python benchmarks/read_bench.py", "size": "small",
+              "status": "ok", "seconds": 1.0, "result": {"results": [{"x": 1}]}}  # no "machine": section() fails
+    with pytest.raises(KeyError):
+        suite["write_results"]([broken], "## header")
+    assert results.read_text() == "# Benchmark results\n\nThe write-up.\n"
+    suite["write_results"]([{**broken, "machine": "2 CPUs"}], "## header")
+    assert results.read_text().startswith("# Benchmark results\n\nThe write-up.\n") and "| x |" in results.read_text()
