@@ -88,7 +88,7 @@ def machine() -> dict:
     facts = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
              "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
              "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-             "root": os.geteuid() == 0}
+             "root": os.geteuid() == 0, "utc": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M}"}
     for package in ("hsdata", "zarr", "numpy", "pyarrow"):
         try:
             facts[package] = importlib.import_module(package).__version__
@@ -208,7 +208,8 @@ def machine_line(facts: dict) -> str:
 def suite_header(size: str, facts: dict) -> str:
     gpu = facts["gpu"] or "none"
     return (f"## The benchmark suite (`python -m benchmarks`)\n\n"
-            f"Last run (`--size {size}`) {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC at commit {facts['commit']}: "
+            f"Last run (`--size {size}`){' ' + facts['utc'] + ' UTC' if facts.get('utc') else ''} at commit "
+            f"{facts['commit']}: "
             f"{facts['cpus']} CPUs, {facts['memory_gib']} GiB, GPU {gpu}, Python {facts['python']}, torch "
             f"{facts['torch']}, zarr {facts['zarr']}; {facts['platform']}. Every ratio is against a baseline "
             f"measured in the same run; each section's command runs it alone.\n")
