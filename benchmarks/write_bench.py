@@ -95,7 +95,7 @@ def raw_seq(directory: str, samples: list[dict]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(directory)
+    hsdata.storage.fsync_dir(directory)
 
 
 def raw_par(directory: str, samples: list[dict]) -> None:
@@ -121,7 +121,7 @@ def raw_par(directory: str, samples: list[dict]) -> None:
         t.join()
     if errors:
         raise errors[0]
-    _fsync_dir(directory)
+    hsdata.storage.fsync_dir(directory)
 
 
 def hsdata_module(method: str, before: str | None):
@@ -154,14 +154,6 @@ def write_hsdata(directory: str, samples: list[dict], hidden: int, layers: int, 
 def _write_all(fd: int, data: memoryview) -> None:
     while data.nbytes:
         data = data[os.write(fd, data) :]
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def drop_caches() -> None:

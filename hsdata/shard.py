@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import TYPE_CHECKING
 
 import numpy as np
 from crc32c import crc32c
 
 from .errors import CorruptDataError
 from .spec import StoreSpec, TensorSpec
+
+if TYPE_CHECKING:
+    from .storage import AtomicWriter
 
 CRC_NBYTES = 4
 MISSING = 2**64 - 1
@@ -57,9 +60,8 @@ def decode_index(data: bytes, num_chunks: int, *, where: str) -> np.ndarray:
 class ShardEncoder:
     """Streams one tensor's rows into a shard file: chunk bytes and their crc32c, then the index on ``finish``."""
 
-    def __init__(self, out: BinaryIO, spec: StoreSpec, tensor: TensorSpec):
+    def __init__(self, out: AtomicWriter, spec: StoreSpec, tensor: TensorSpec):
         self._out = out
-        self._writev = getattr(out, "writev", None)
         self._chunk_nbytes = tensor.chunk_nbytes
         self._num_chunks = chunks_per_shard(spec, tensor)
         self._filled = 0  # bytes of the current chunk written so far
@@ -68,7 +70,7 @@ class ShardEncoder:
 
     def write(self, data: memoryview) -> None:
         """Append raw row bytes; they may start and end anywhere inside a chunk. Everything is handed to the
-        file in one ``writev`` (where it has one): the row bytes as they are, the crc32c trailers between them."""
+        file in one ``writev``: the row bytes as they are, the crc32c trailers between them."""
         view = memoryview(data).cast("B")
         out = []
         while view.nbytes:
@@ -79,20 +81,13 @@ class ShardEncoder:
             view = view[piece.nbytes :]
             if self._filled == self._chunk_nbytes:
                 out.append(self._end_chunk())
-        self._emit(out)
+        self._out.writev(out)
 
     def finish(self) -> None:
         """Zero-pad the last partial chunk (zarr stores whole chunks) and append the index."""
         if self._filled:
             self.write(memoryview(bytes(self._chunk_nbytes - self._filled)))
-        self._emit([encode_index(self._chunks, self._num_chunks, self._chunk_nbytes + CRC_NBYTES)])
-
-    def _emit(self, buffers: list) -> None:
-        if self._writev is not None:
-            self._writev(buffers)
-        else:
-            for b in buffers:
-                self._out.write(b)
+        self._out.writev([encode_index(self._chunks, self._num_chunks, self._chunk_nbytes + CRC_NBYTES)])
 
     def _end_chunk(self) -> bytes:
         if self._chunks == self._num_chunks:

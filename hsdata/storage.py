@@ -603,7 +603,7 @@ class _LocalAtomicWriter(AtomicWriter):
                 os.unlink(self._partial)
         else:
             os.replace(self._partial, self.path)
-        _fsync_dir(os.path.dirname(self.path))
+        fsync_dir(os.path.dirname(self.path))
         return True
 
     def _flush_small(self) -> None:
@@ -668,7 +668,7 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -252,7 +252,6 @@ class _PartWriter:
         self._shard: int | None = None  # the shard being written
         self._files: dict[str, tuple] = {}  # tensor -> (AtomicWriter, ShardEncoder) of the open shard
         self._uncommitted: list[_PendingRow] = []
-        self._closed_files: list[Future] = []  # commits of closed shards' files not yet covered by a commit
         self._closing: list[tuple] = []  # (AtomicWriter, its commit) of closed shards, until committed
         self._seq = 0
         self._array_tokens = 0  # shape last written to the arrays' zarr.json (committer thread only)
@@ -369,9 +368,7 @@ class _PartWriter:
         (the disk sees every file's tail at once, as when the tensors were written)."""
         self._closing = [(writer, task) for writer, task in self._closing if not task.done() or task.exception()]
         for name, (writer, encoder) in self._files.items():
-            task = self._submit(name, self._commit_file, writer, encoder)
-            self._closed_files.append(task)
-            self._closing.append((writer, task))
+            self._closing.append((writer, self._submit(name, self._commit_file, writer, encoder)))
         self._files = {}
         self._shard = None
 
@@ -386,7 +383,7 @@ class _PartWriter:
         if not complete:
             return
         self._uncommitted = self._uncommitted[len(complete) :]
-        files, self._closed_files = self._closed_files, []
+        files = [task for _, task in self._closing]  # those already committed cost nothing to wait for
         self._last_commit = self._committer.submit(self._commit_rows, complete, files)
         self._last_commit.add_done_callback(self._note_failure)
 
