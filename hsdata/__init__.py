@@ -1,5 +1,6 @@
 """hsdata: chunked, checksummed, crash-safe hidden-state stores for speculative-decoding (EAGLE-3) training."""
 
+from .compression import Compression
 from .errors import (CorruptDataError, DuplicateSampleError, HsdataError, InvalidSampleError, MissingExtraError,
                      NotAStoreError, RemoteReadError, ServerCheckError, SpecMismatchError, UnsupportedFormatError,
                      WriterError)
@@ -11,7 +12,7 @@ from .writer import Writer, create
 __version__ = "0.1.0"
 
 __all__ = [
-    "CorruptDataError", "DuplicateSampleError", "FORMAT_VERSION", "HsdataError", "InvalidSampleError",
+    "Compression", "CorruptDataError", "DuplicateSampleError", "FORMAT_VERSION", "HsdataError", "InvalidSampleError",
     "MissingExtraError", "NotAStoreError", "RemoteReadError", "ServerCheckError", "SpecMismatchError", "Store",
     "StoreSpec", "TensorSpec",
     "UnsupportedFormatError", "Writer", "WriterError", "add_loss_masks", "create", "open",

@@ -57,13 +57,14 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
             aux_layers: list[int] | None = None, max_batch_tokens: int = 8192, storage_options: dict | None = None,
             store_dtype: str | torch.dtype | None = None, on_plan: Callable[[int, int], None] | None = None,
             on_batch: Callable[[int, int], None] | None = None, provenance: dict | None = None,
-            committed: Collection[str] | None = None, share: tuple[int, int] | None = None) -> EngineSummary:
+            committed: Collection[str] | None = None, share: tuple[int, int] | None = None,
+            compression: Any = None) -> EngineSummary:
     """Tokenize, batch by length, run ``model`` and store every record not yet committed in ``out``.
 
     The states are stored in ``store_dtype`` (None: the model's dtype, as computed; a float32 model's may be
     stored as bfloat16 or float16). ``on_plan(samples, tokens)`` is called once with what is to be run, before
     the first forward; ``on_batch(samples, tokens)`` after each forward. ``provenance`` goes to
-    ``hsdata.create`` (:func:`extract_provenance` makes the automatic entries).
+    ``hsdata.create`` (:func:`extract_provenance` makes the automatic entries), and ``compression`` too.
 
     For one rank of a job: ``committed`` are the ids already in ``out`` (None: read them from it), the same on
     every rank; ``share=(rank, world_size)`` runs only that rank's share of the batches
@@ -99,7 +100,7 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
     store_writer = writer_module.create(out, hidden_size=hidden, aux_layers=aux_layers, model=model_name,
                                         dtype=store_dtype or compute_dtype, compute_dtype=compute_dtype,
                                         vocab_size=vocab_size(model), storage_options=storage_options,
-                                        provenance=provenance)
+                                        provenance=provenance, compression=compression)
     capture = Capture(store_writer, loss_masks=masks)
     captured: dict[str, torch.Tensor] = {}
     hooks = [layers[k].register_forward_hook(_keep(captured, f"aux{k}")) for k in aux_layers]

@@ -56,6 +56,7 @@ def array_document(spec: StoreSpec, tensor: TensorSpec, num_tokens: int) -> dict
     """The zarr.json of one part's array holding ``num_tokens`` tokens (its shape grows as the writer commits)."""
     row = [tensor.width] if tensor.width is not None else []
     bytes_codec = {"name": "bytes", "configuration": {"endian": "little"}}
+    compressed = [tensor.compression.codec_document(tensor.itemsize)] if tensor.compression is not None else []
     return {
         "zarr_format": 3,
         "node_type": "array",
@@ -69,7 +70,7 @@ def array_document(spec: StoreSpec, tensor: TensorSpec, num_tokens: int) -> dict
                 "name": "sharding_indexed",
                 "configuration": {
                     "chunk_shape": [tensor.chunk_tokens, *row],
-                    "codecs": [bytes_codec, {"name": "crc32c"}],
+                    "codecs": [bytes_codec, *compressed, {"name": "crc32c"}],
                     "index_codecs": [bytes_codec, {"name": "crc32c"}],
                     "index_location": "end",
                 },

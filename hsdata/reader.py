@@ -23,7 +23,8 @@ from .ids import IdIndex, SampleIds, arrow_of, numpy_of, sorted_keys
 from .layout import (MAX_METADATA_BYTES, array_node, load_part_provenance, load_root, metadata_key, parse_document,
                      read_document, shard_key)
 from .pool import ProcessLocalPool
-from .shard import CRC_NBYTES, ShardRange, chunks_per_shard, encoded_chunk_nbytes, index_nbytes, token_ranges
+from .shard import (CRC_NBYTES, ChunkRun, ShardRange, chunk_runs, chunks_per_shard, decode_index, decode_run,
+                    encoded_chunk_nbytes, index_nbytes, packed_index_problem, token_ranges, written_chunks)
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
 from .storage import MAX_REQUESTS, Storage
 
@@ -92,7 +93,9 @@ class Store:
         self._added_masks = added_masks
         self._array_tokens = _array_tokens(storage, spec, self._part_names)  # read now: a later epoch may read
         # through the cache alone
-        self._shard_sizes: dict[str, int] = {}  # local shard key -> file size, read at first use (write-once files)
+        self._shard_sizes: dict[str, int] = {}  # shard key -> file size, read at first use (write-once files)
+        self._indexes: dict[str, np.ndarray] = {}  # compressed shard key -> its checked index, read at first use
+        self._codecs = {t.name: t.compression.codec(t.itemsize) for t in spec.tensors if t.compression is not None}
 
     @property
     def url(self) -> str:
@@ -244,12 +247,59 @@ class Store:
             plan.mask_added_later, plan.added_mask = True, self._added_masks.get(sample_id)
         for k, (tensor, output) in enumerate(zip(tensors, outputs)):
             buffer, start = memoryview(output.numpy()), 0
-            for whole in token_ranges(self.spec, tensor, offset, length):
-                for r in whole.split(self._range_bytes):
-                    plan.reads.append(_Read(plan.sample_id, plan.hashers[k], shard_key(part, tensor, r.shard), r,
-                                            buffer[start : start + r.nbytes]))
-                    start += r.nbytes
+            codec = self._codecs.get(tensor.name)
+            if codec is None:
+                ranges = [r for whole in token_ranges(self.spec, tensor, offset, length)
+                          for r in whole.split(self._range_bytes)]
+            else:
+                ranges = [r for whole in self._chunk_runs(sample_id, part, tensor, offset, length)
+                          for r in whole.split(self._range_bytes, tensor.chunk_nbytes)]
+            for r in ranges:
+                read = _Read(plan.sample_id, plan.hashers[k], shard_key(part, tensor, r.shard), r,
+                             buffer[start : start + r.nbytes])
+                if codec is not None:
+                    read.tensor, read.codec = tensor, codec
+                    read.encoded = memoryview(bytearray(r.file_end - r.file_start))
+                plan.reads.append(read)
+                start += r.nbytes
         return plan
+
+    def _chunk_runs(self, sample_id: str, part: str, tensor: TensorSpec, offset: int, length: int) -> list[ChunkRun]:
+        """The compressed chunks holding a sample's rows of one tensor, from the indexes of the shards they lie in."""
+        st = self.spec.shard_tokens
+        keys = [shard_key(part, tensor, shard) for shard in range(offset // st, (offset + length - 1) // st + 1)]
+        indexes = [self._index(sample_id, key, tensor) for key in keys]
+        return chunk_runs(self.spec, tensor, indexes, offset, length, where=[self._storage.describe(k) for k in keys])
+
+    def _index(self, sample_id: str, key: str, tensor: TensorSpec) -> np.ndarray:
+        """A compressed shard's index, checked: its crc32c, the packed rule, within the file (read once)."""
+        index = self._indexes.get(key)
+        if index is not None:
+            return index
+        where, per_shard = self._storage.describe(key), chunks_per_shard(self.spec, tensor)
+        size, index_size = self._shard_size(sample_id, key), index_nbytes(per_shard)
+        if size < index_size:
+            raise CorruptDataError(f"{where} is {size} bytes, shorter than its shard index ({index_size}; truncated?)")
+        index = decode_index(self._storage.read_exact(key, size - index_size, size), per_shard,
+                             where=where)
+        problem = packed_index_problem(index)
+        n = written_chunks(index)
+        if problem is None and n and int(index[n - 1].sum()) != size - index_size:
+            problem = f"its chunks end at byte {int(index[n - 1].sum())}, the index starts at {size - index_size}"
+        if problem is not None:
+            raise CorruptDataError(f"{where}: shard index: {problem}")
+        self._indexes[key] = index
+        return index
+
+    def _shard_size(self, sample_id: str, key: str) -> int:
+        size = self._shard_sizes.get(key)
+        if size is None:
+            try:
+                size = self._shard_sizes[key] = self._storage.size(key)
+            except FileNotFoundError:
+                raise CorruptDataError(f"sample {sample_id!r}: shard file missing: {self._storage.describe(key)}") \
+                    from None
+        return size
 
     def _finish(self, plan: _Plan) -> dict[str, Any]:
         """Check the read sample's hashes and shape its tensors."""
@@ -283,7 +333,9 @@ class Store:
         if not self._storage.is_local:
             requests = [(read.key, read.range.file_start, _iov(read)) for read in reads]
             with closing(self._storage.read_into(requests, merge_up_to=self._range_bytes)) as arriving:
-                yield from arriving
+                for read, _ in zip(reads, arriving):
+                    self._decode(read)
+                    yield
         elif len(reads) == 1 or sum(read.range.nbytes for read in reads) < INLINE_READ_BYTES:
             for read in reads:
                 self._pread(read)
@@ -309,20 +361,14 @@ class Store:
         if end > tokens:
             raise CorruptDataError(f"sample {sample_id!r}: tokens [{offset}, {end}) lie beyond the {tokens} tokens "
                                    f"of its array ({storage.describe(array_key)})")
-        if not storage.is_local:
+        if not storage.is_local or tensor.compression is not None:  # a compressed shard's index is checked instead
             return
         st, ct = self.spec.shard_tokens, tensor.chunk_tokens
         for shard in range(offset // st, (end - 1) // st + 1):  # stops at the first missing or short file
             key = shard_key(part, tensor, shard)
             local_end = min(end, (shard + 1) * st) - shard * st
             need = -(-local_end // ct) * encoded_chunk_nbytes(tensor) + index_nbytes(chunks_per_shard(self.spec, tensor))
-            size = self._shard_sizes.get(key)
-            if size is None:
-                try:
-                    size = self._shard_sizes[key] = storage.size(key)
-                except FileNotFoundError:
-                    raise CorruptDataError(f"sample {sample_id!r}: shard file missing: {storage.describe(key)}") \
-                        from None
+            size = self._shard_size(sample_id, key)
             if size < need:
                 raise CorruptDataError(f"sample {sample_id!r}: {storage.describe(key)} is {size} bytes, the sample "
                                        f"needs {need} (truncated?)")
@@ -337,6 +383,14 @@ class Store:
                 raise CorruptDataError(f"{self._where(read.key, read.range)}: truncated, read {got} of {want} "
                                        f"bytes at {position}")
             position += got
+        self._decode(read)
+
+    def _decode(self, read: _Read) -> None:
+        """A compressed read's chunks, checked and decompressed into its destination (else nothing to do)."""
+        if read.codec is not None:
+            decode_run(read.encoded, read.range, read.tensor, read.codec, read.destination,
+                       where=self._where(read.key, read.range))
+            read.encoded = None
 
     def _check_hash(self, i: int, tensor: TensorSpec, computed: int) -> None:
         stored = self._hashes[tensor.name][i].as_py() or 0  # null: no mask stored (never checked then)
@@ -347,7 +401,7 @@ class Store:
                 f"[{offset}, {offset + length}), xxh3 stored {stored:016x}, computed {computed:016x}); "
                 f"the store is corrupt: run `hsdata validate {self.url}`")
 
-    def _where(self, key: str, r: ShardRange) -> str:
+    def _where(self, key: str, r: ShardRange | ChunkRun) -> str:
         return f"{self._storage.describe(key)} bytes [{r.file_start}, {r.file_end})"
 
 
@@ -374,13 +428,19 @@ class _Read:
     sample_id: str
     hasher: Any
     key: str
-    range: ShardRange
+    range: ShardRange | ChunkRun
     destination: memoryview
+    tensor: TensorSpec | None = None  # of a compressed range: its chunks are read into ``encoded``, then decoded
+    codec: Any = None
+    encoded: memoryview | None = None
 
 
 def _iov(read: _Read) -> list:
     """Buffers that take a read's range as it lies in the file: each chunk's payload piece into its place in the
-    destination, the crc32c between two pieces into a throwaway buffer (validate checks those)."""
+    destination, the crc32c between two pieces into a throwaway buffer (validate checks those); a compressed
+    range's bytes as they are, to be decoded."""
+    if read.encoded is not None:
+        return [read.encoded]
     crc, iov, destination = bytearray(CRC_NBYTES), [], read.destination
     for size in read.range.pieces:
         iov += (crc, destination[:size]) if iov else (destination[:size],)

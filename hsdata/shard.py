@@ -1,20 +1,25 @@
-"""The bytes of one shard file: zarr v3 ``sharding_indexed`` with ``[bytes, crc32c]`` inner and index codecs.
+"""The bytes of one shard file: zarr v3 ``sharding_indexed`` with ``[bytes, crc32c]`` inner codecs (``[bytes,
+blosc, crc32c]`` for a compressed tensor) and ``[bytes, crc32c]`` index codecs.
 
-hsdata writes every shard densely: inner chunk ``j`` is stored at byte ``j * (chunk_nbytes + 4)`` as its raw
-little-endian bytes followed by their crc32c, chunks that were never written come only after the written ones
-(index entry ``(2**64-1, 2**64-1)``), and the index (``n`` pairs of little-endian uint64 ``offset, nbytes`` plus
-its own crc32c) ends the file. Because the layout is dense, a reader can address any token without the index.
+hsdata writes every shard packed: inner chunks in order and back to back from byte 0, each its encoded bytes
+followed by their crc32c, chunks that were never written come only after the written ones (index entry
+``(2**64-1, 2**64-1)``), and the index (``n`` pairs of little-endian uint64 ``offset, nbytes`` plus its own
+crc32c) ends the file. An uncompressed chunk is its raw little-endian bytes, so every chunk has the same size and
+a reader can address any token without the index (the dense rule); a compressed tensor's reader needs the index.
 """
 
 from __future__ import annotations
 
 import struct
+from collections import deque
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 from crc32c import crc32c
 
+from .compression import decode_into
 from .errors import CorruptDataError
 from .spec import StoreSpec, TensorSpec
 
@@ -37,13 +42,38 @@ def index_nbytes(num_chunks: int) -> int:
     return 16 * num_chunks + CRC_NBYTES
 
 
-def encode_index(written_chunks: int, num_chunks: int, chunk_size: int) -> bytes:
-    """Index of a dense shard whose first ``written_chunks`` chunks are present."""
+def encode_index(sizes: Sequence[int], num_chunks: int) -> bytes:
+    """Index of a packed shard whose first ``len(sizes)`` chunks are present, of these encoded sizes."""
     entries = np.full((num_chunks, 2), MISSING, dtype="<u8")
-    entries[:written_chunks, 0] = np.arange(written_chunks, dtype="<u8") * chunk_size
-    entries[:written_chunks, 1] = chunk_size
+    sizes = np.asarray(sizes, dtype="<u8")
+    entries[: len(sizes), 1] = sizes
+    entries[: len(sizes), 0] = np.cumsum(sizes) - sizes
     raw = entries.tobytes()
     return raw + struct.pack("<I", crc32c(raw))
+
+
+def dense_sizes(tensor: TensorSpec, written_chunks: int) -> list[int]:
+    """The encoded sizes of an uncompressed shard's first ``written_chunks`` chunks."""
+    return [encoded_chunk_nbytes(tensor)] * written_chunks
+
+
+def written_chunks(index: np.ndarray) -> int:
+    """How many chunks a packed index records (those before the first missing entry)."""
+    missing = np.flatnonzero(index[:, 0] == MISSING)
+    return int(missing[0]) if len(missing) else len(index)
+
+
+def packed_index_problem(index: np.ndarray) -> str | None:
+    """What breaks the packed rule in a decoded index, or None: present chunks first, from byte 0, back to back,
+    each at least its crc32c long; missing ones after them as ``(2**64-1, 2**64-1)``."""
+    n = written_chunks(index)
+    present, absent = index[:n], index[n:]
+    if (absent != MISSING).any():
+        return "a chunk is recorded after a missing one"
+    if n and ((present[:, 1] < CRC_NBYTES).any() or present[0, 0] != 0
+              or (present[1:, 0] != present[:-1, 0] + present[:-1, 1]).any()):
+        return "its chunks do not lie back to back from byte 0"
+    return None
 
 
 def decode_index(data: bytes, num_chunks: int, *, where: str) -> np.ndarray:
@@ -87,7 +117,7 @@ class ShardEncoder:
         """Zero-pad the last partial chunk (zarr stores whole chunks) and append the index."""
         if self._filled:
             self.write(memoryview(bytes(self._chunk_nbytes - self._filled)))
-        self._out.writev([encode_index(self._chunks, self._num_chunks, self._chunk_nbytes + CRC_NBYTES)])
+        self._out.writev([encode_index([self._chunk_nbytes + CRC_NBYTES] * self._chunks, self._num_chunks)])
 
     def _end_chunk(self) -> bytes:
         if self._chunks == self._num_chunks:
@@ -97,6 +127,134 @@ class ShardEncoder:
         self._filled = 0
         self._crc = 0
         return trailer
+
+
+class CompressedShardEncoder:
+    """Streams one tensor's rows into a shard file of compressed chunks: each chunk is gathered, compressed on
+    ``pool`` (up to ``in_flight`` chunks at once), and written in order with its crc32c; the index on ``finish``
+    records their sizes."""
+
+    def __init__(self, out: AtomicWriter, spec: StoreSpec, tensor: TensorSpec, pool: Executor, in_flight: int):
+        self._out = out
+        self._pool = pool
+        self._in_flight_max = in_flight
+        self._codec = tensor.compression.codec(tensor.itemsize)
+        self._chunk_nbytes = tensor.chunk_nbytes
+        self._num_chunks = chunks_per_shard(spec, tensor)
+        self._chunk = bytearray(self._chunk_nbytes)
+        self._filled = 0
+        self._in_flight: deque[Future] = deque()
+        self._spare: list[bytearray] = []  # chunk buffers compressed already, reused (fresh memory faults pages in)
+        self._sizes: list[int] = []  # encoded bytes of every chunk written
+
+    def write(self, data: memoryview) -> None:
+        """Append raw row bytes; they may start and end anywhere inside a chunk."""
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            n = min(view.nbytes, self._chunk_nbytes - self._filled)
+            self._chunk[self._filled : self._filled + n] = view[:n]
+            self._filled += n
+            view = view[n:]
+            if self._filled == self._chunk_nbytes:
+                self._end_chunk()
+
+    def finish(self) -> None:
+        """Compress the last partial chunk zero-padded, write what is in flight, then the index."""
+        if self._filled:
+            self._chunk[self._filled :] = bytes(self._chunk_nbytes - self._filled)
+            self._end_chunk()
+        while self._in_flight:
+            self._write_next()
+        self._out.writev([encode_index(self._sizes, self._num_chunks)])
+
+    def _end_chunk(self) -> None:
+        if len(self._sizes) + len(self._in_flight) == self._num_chunks:
+            raise AssertionError("shard overflow: more chunks written than the shard holds")
+        self._in_flight.append(self._pool.submit(self._encode, self._chunk))
+        self._chunk, self._filled = self._spare.pop() if self._spare else bytearray(self._chunk_nbytes), 0
+        while len(self._in_flight) > self._in_flight_max or (self._in_flight and self._in_flight[0].done()):
+            self._write_next()
+
+    def _encode(self, chunk: bytearray) -> tuple[bytes, bytes, bytearray]:
+        data = self._codec.encode(chunk)
+        return data, struct.pack("<I", crc32c(data)), chunk
+
+    def _write_next(self) -> None:
+        data, trailer, chunk = self._in_flight.popleft().result()
+        self._spare.append(chunk)
+        self._out.writev([data, trailer])
+        self._sizes.append(len(data) + CRC_NBYTES)
+
+
+@dataclass(frozen=True)
+class ChunkRun:
+    """Whole chunks of one compressed shard, back to back in the file, holding a token range: their encoded
+    sizes, and where the range's payload starts in the first chunk's decoded bytes."""
+
+    shard: int
+    file_start: int
+    sizes: tuple[int, ...]  # encoded bytes of each chunk (compressed bytes + crc32c)
+    skip: int  # decoded bytes of the first chunk before the range
+    nbytes: int  # payload bytes of the range
+
+    @property
+    def file_end(self) -> int:
+        return self.file_start + sum(self.sizes)
+
+    def split(self, max_bytes: int, chunk_nbytes: int) -> list[ChunkRun]:
+        """Cut at chunk boundaries into runs of about ``max_bytes`` in the file."""
+        out, start, first, size, skip, left = [], self.file_start, 0, 0, self.skip, self.nbytes
+        for k, encoded in enumerate(self.sizes):
+            size += encoded
+            if size >= max_bytes or k == len(self.sizes) - 1:
+                payload = min(left, (k + 1 - first) * chunk_nbytes - skip)
+                out.append(ChunkRun(self.shard, start, self.sizes[first : k + 1], skip, payload))
+                start, first, size, skip, left = start + size, k + 1, 0, 0, left - payload
+        return out
+
+
+def chunk_runs(spec: StoreSpec, tensor: TensorSpec, indexes: Sequence[np.ndarray], token_offset: int,
+               num_tokens: int, *, where: Sequence[str]) -> list[ChunkRun]:
+    """The chunks holding tokens ``[token_offset, token_offset + num_tokens)`` of a compressed array, one run per
+    shard touched; ``indexes`` are those shards' decoded indexes, in order (``where`` names them for errors)."""
+    ct, row, per_shard = tensor.chunk_tokens, tensor.row_nbytes, spec.shard_tokens
+    runs, t, end = [], token_offset, token_offset + num_tokens
+    for index, name in zip(indexes, where):
+        shard = t // per_shard
+        local, local_end = t - shard * per_shard, min(end, (shard + 1) * per_shard) - shard * per_shard
+        first, last = local // ct, (local_end - 1) // ct
+        if last >= written_chunks(index):
+            raise CorruptDataError(f"{name}: chunk {last} is not in the shard's index (it records "
+                                   f"{written_chunks(index)} chunks)")
+        sizes = tuple(int(n) for n in index[first : last + 1, 1])
+        runs.append(ChunkRun(shard, int(index[first, 0]), sizes, (local - first * ct) * row, (local_end - local) * row))
+        t = shard * per_shard + local_end
+    return runs
+
+
+def decode_run(data: memoryview, run: ChunkRun, tensor: TensorSpec, codec, destination: memoryview, *,
+               where: str) -> None:
+    """Check each chunk's crc32c in ``data`` (the run's bytes as they lie in the file), decompress it and copy
+    the range's payload into ``destination``."""
+    chunk_nbytes, skip, out, position = tensor.chunk_nbytes, run.skip, destination, 0
+    scratch = None
+    for k, encoded in enumerate(run.sizes):
+        piece = data[position : position + encoded - CRC_NBYTES]
+        (stored,) = struct.unpack("<I", data[position + encoded - CRC_NBYTES : position + encoded])
+        if crc32c(piece) != stored:
+            raise CorruptDataError(f"{where}: chunk {k} of the range fails its crc32c (stored {stored:#010x}, "
+                                   f"computed {crc32c(piece):#010x})")
+        take = min(out.nbytes, chunk_nbytes - skip)
+        whole = skip == 0 and take == chunk_nbytes
+        if not whole and scratch is None:
+            scratch = memoryview(bytearray(chunk_nbytes))
+        try:
+            decode_into(codec, piece, out[:take] if whole else scratch)
+        except ValueError as e:
+            raise CorruptDataError(f"{where}: chunk {k} of the range: {e}") from None
+        if not whole:
+            out[:take] = scratch[skip : skip + take]
+        out, skip, position = out[take:], 0, position + encoded
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from . import compression as compression_module
+from .compression import Compression
 from .dtypes import DTYPES, DType, check_pair, hidden_dtype
 from .errors import SpecMismatchError, UnsupportedFormatError
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: bfloat16 only, no compute_dtype (docs/format.md section 2)
+FORMAT_VERSION = 2  # what an uncompressed store is written as, so that version 2 readers keep reading it
+COMPRESSED_FORMAT_VERSION = 3  # version 2 plus ``compression``: the hidden states' chunks compressed
+READABLE_VERSIONS = (1, 2, 3)  # version 1: bfloat16 only, no compute_dtype (docs/format.md section 2)
 LAYER_CONVENTION = "output_of_layer"  # id k = output of decoder layer k (0-based) = HF hidden_states[k + 1]
 FINAL_HIDDEN_STATE = "post_norm"  # the last layer's output after the model's final norm
 # "pre_norm": the last layer's output before the final norm (vLLM/speculators dumps, kept as imported; version 2 only)
@@ -39,6 +42,7 @@ class TensorSpec:
     logical_dtype: str  # what the values mean ("bfloat16" is stored as its uint16 bit pattern)
     width: int | None  # elements per token; None for a 1-D array
     chunk_tokens: int  # tokens per inner (checksummed) chunk
+    compression: Compression | None = None  # how each inner chunk is compressed; None: stored as it is
 
     @property
     def dtype(self) -> DType:
@@ -80,6 +84,7 @@ class StoreSpec:
     format_version: int = FORMAT_VERSION
     layer_convention: str = LAYER_CONVENTION
     final_hidden_state: str = FINAL_HIDDEN_STATE
+    compression: Compression | None = None  # of the hidden-state tensors (version 3)
 
     @classmethod
     def new(
@@ -94,13 +99,17 @@ class StoreSpec:
         shard_tokens: int | None = None,
         chunk_tokens: int | None = None,
         final_hidden_state: str = FINAL_HIDDEN_STATE,
+        compression: Any = None,
     ) -> StoreSpec:
         """Build a spec, deriving chunk and shard sizes from the byte targets unless given.
 
         ``dtype``: how the hidden states are stored; ``compute_dtype``: what the model computed them in (None: the
         same). Both are names or torch dtypes; float32 states may be stored as bfloat16 or float16.
         ``final_hidden_state``: what ``hidden_states`` holds, one of ``FINAL_HIDDEN_STATES``.
+        ``compression``: how the hidden states' chunks are compressed (``hsdata.compression.parse``: None, a
+        preset name or a :class:`Compression`); a compressed store is format version 3.
         """
+        compression = compression_module.parse(compression)
         if final_hidden_state not in FINAL_HIDDEN_STATES:
             raise ValueError(f"final_hidden_state must be one of {', '.join(FINAL_HIDDEN_STATES)}, "
                              f"got {final_hidden_state!r}")
@@ -145,10 +154,12 @@ class StoreSpec:
                 ct = min(shard_tokens, _pow2_floor(max(1, CHUNK_TARGET_BYTES // row_nbytes[name])))
                 while shard_tokens % ct:
                     ct //= 2
-            tensors.append(TensorSpec(name, DTYPES[logical[name]].data_type, logical[name], width, ct))
+            tensors.append(TensorSpec(name, DTYPES[logical[name]].data_type, logical[name], width, ct,
+                                      compression if name in HIDDEN_TENSORS else None))
         _check_power_of_two("shard_tokens", shard_tokens)
+        version = FORMAT_VERSION if compression is None else COMPRESSED_FORMAT_VERSION
         return cls(hidden_size, aux, model, vocab_size, dtype, compute_dtype, shard_tokens, tuple(tensors),
-                   final_hidden_state=final_hidden_state)
+                   format_version=version, final_hidden_state=final_hidden_state, compression=compression)
 
     def tensor(self, name: str) -> TensorSpec:
         for t in self.tensors:
@@ -162,10 +173,12 @@ class StoreSpec:
         return sum(t.row_nbytes for t in self.tensors)
 
     def to_dict(self) -> dict[str, Any]:
-        """The root attributes; a version 1 spec (read from an old store) has no ``compute_dtype``."""
+        """The root attributes; a version 1 spec (read from an old store) has no ``compute_dtype``, only version 3
+        has ``compression``."""
         dtypes = {"dtype": self.dtype, "compute_dtype": self.compute_dtype}
         if self.format_version == 1:
             del dtypes["compute_dtype"]
+        compressed = {"compression": self.compression.to_dict()} if self.compression is not None else {}
         return {
             "format_version": self.format_version,
             "model": self.model,
@@ -177,6 +190,7 @@ class StoreSpec:
             "vocab_size": self.vocab_size,
             "shard_tokens": self.shard_tokens,
             "tensors": {t.name: t.to_dict() for t in self.tensors},
+            **compressed,
         }
 
     @classmethod
@@ -186,9 +200,11 @@ class StoreSpec:
             raise UnsupportedFormatError(f"hsdata attributes must be a JSON object, got {type(d).__name__}")
         version = d.get("format_version")
         if type(version) is not int or version not in READABLE_VERSIONS:
-            raise UnsupportedFormatError(f"Unsupported hsdata format version {version!r}. Expected "
-                                         f"{' or '.join(map(str, READABLE_VERSIONS))}.")
-        expected_keys = set(replace(cls.new(1, [0]), format_version=version).to_dict())
+            raise UnsupportedFormatError(f"Unsupported hsdata format version {version!r}. Expected one of "
+                                         f"{', '.join(map(str, READABLE_VERSIONS))}.")
+        compressed = version == COMPRESSED_FORMAT_VERSION  # then ``compression`` is required
+        template = cls.new(1, [0], compression="zstd" if compressed else None)
+        expected_keys = set(replace(template, format_version=version).to_dict())
         if set(d) != expected_keys:
             missing, extra = sorted(expected_keys - set(d)), sorted(set(d) - expected_keys)
             raise UnsupportedFormatError(f"hsdata attributes: missing keys {missing}, unknown keys {extra}")
@@ -207,8 +223,10 @@ class StoreSpec:
             compute = None if d.get("compute_dtype") is None else hidden_dtype("compute_dtype", d["compute_dtype"])
             check_pair(dtype, compute)
             chunks = {n: d["tensors"][n]["chunk_tokens"] for n in TENSOR_NAMES}
+            compression = Compression.from_dict(d["compression"]) if compressed else None
             spec = cls.new(d["hidden_size"], d["aux_layers"], d["model"], dtype=dtype, vocab_size=d["vocab_size"],
-                           shard_tokens=d["shard_tokens"], chunk_tokens=chunks["hidden_states"])
+                           shard_tokens=d["shard_tokens"], chunk_tokens=chunks["hidden_states"],
+                           compression=compression)
             tensors = tuple(replace(t, chunk_tokens=chunks[t.name]) for t in spec.tensors)
         except (KeyError, TypeError, ValueError) as e:
             raise UnsupportedFormatError(f"hsdata attributes are invalid: {e}") from None
@@ -228,7 +246,8 @@ class StoreSpec:
         """Raise unless a writer asking for ``requested`` may join a store with this spec.
 
         Model facts (the kind of final state too) and dtypes must be equal (a store that does not record its
-        compute dtype, version 1, takes states in its stored dtype; a vocab_size recorded on one side only is no difference); layout fields (shard/chunk sizes) only when the caller set them explicitly.
+        compute dtype, version 1, takes states in its stored dtype; a vocab_size recorded on one side only is no
+        difference); layout fields (shard/chunk sizes, compression) only when the caller set them explicitly.
         """
         diffs = []
         for f in ("hidden_size", "aux_layers", "model", "dtype", "final_hidden_state"):
@@ -244,8 +263,15 @@ class StoreSpec:
             have, want = self.tensor("hidden_states").chunk_tokens, requested.tensor("hidden_states").chunk_tokens
             if have != want:
                 diffs.append(f"chunk_tokens: store has {have}, requested {want}")
+        if "compression" in explicit and self.compression != requested.compression:
+            diffs.append(f"compression: store has {_describe(self.compression)}, requested "
+                         f"{_describe(requested.compression)}")
         if diffs:
             raise SpecMismatchError("cannot join the existing store, its spec differs: " + "; ".join(diffs))
+
+
+def _describe(compression: Compression | None) -> str:
+    return "none" if compression is None else str(compression)
 
 
 def _pow2_floor(n: int) -> int:
@@ -264,4 +290,4 @@ def _check_power_of_two(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a power of two, got {value}")
 
 
-__all__ = ["FINAL_HIDDEN_STATES", "FORMAT_VERSION", "READABLE_VERSIONS", "StoreSpec", "TensorSpec", "TENSOR_NAMES"]
+__all__ = ["COMPRESSED_FORMAT_VERSION", "FINAL_HIDDEN_STATES", "FORMAT_VERSION", "READABLE_VERSIONS", "StoreSpec", "TensorSpec", "TENSOR_NAMES"]

@@ -237,6 +237,20 @@ class Storage:
             return self._read_local(key, start, end, None)
         return self._retrying(lambda: self.fs.cat_file(self.path(key), start=start, end=end), key)
 
+    def read_exact(self, key: str, start: int, end: int) -> bytes | bytearray:
+        """Bytes ``[start, end)`` of ``key``, exactly, else :class:`CorruptDataError` (truncated); remote ones
+        through the cache and streamed as they arrive (a server that ignores the Range header is refused before
+        its body is read)."""
+        if not self.is_local:
+            buffer = bytearray(end - start)
+            for _ in self.read_into([(key, start, [memoryview(buffer)])]):
+                pass
+            return buffer
+        data = self.read_range(key, start, end)
+        if len(data) != end - start:
+            raise CorruptDataError(f"{self.describe(key)} bytes [{start}, {end}): got {len(data)} bytes (truncated?)")
+        return data
+
     def read_into(self, requests: Sequence[tuple[str, int, Sequence[memoryview]]], *,
                   merge_up_to: int = 0) -> Iterator[None]:
         """Remote only: fill each ``(key, offset, buffers)`` with the object's bytes from ``offset`` on (like

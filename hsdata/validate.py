@@ -29,8 +29,9 @@ from .layout import (MANIFESTS, PARTS, array_document, array_node, group_documen
                      part_node, read_document, shard_key)
 from .masks import MASKS
 from .removals import REMOVALS
-from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, encode_index, encoded_chunk_nbytes, index_nbytes,
-                    token_ranges)
+from .compression import decode_into
+from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, dense_sizes, encode_index, encoded_chunk_nbytes,
+                    index_nbytes, packed_index_problem, token_ranges, written_chunks)
 from .spec import HIDDEN_TENSORS, TENSOR_NAMES, StoreSpec, TensorSpec
 from .storage import Storage
 
@@ -396,21 +397,6 @@ def _chunk_bytes(spec: StoreSpec, tensor: TensorSpec, rows: list[_Row], shards: 
     return sum(end - first for _, first, end in _chunk_runs(spec, tensor, rows, shards)) * tensor.chunk_nbytes
 
 
-def _read(storage: Storage, key: str, start: int, end: int) -> bytes | bytearray:
-    """Bytes ``[start, end)`` of ``key``, exactly: remote ones streamed as reads get them (a server that
-    ignores the Range header is refused before its body is read)."""
-    if storage.is_local:
-        data = storage.read_range(key, start, end)
-        if len(data) != end - start:
-            raise CorruptDataError(f"{storage.describe(key)} bytes [{start}, {end}): got {len(data)} bytes "
-                                   "(truncated?)")
-        return data
-    buffer = bytearray(end - start)
-    for _ in storage.read_into([(key, start, [memoryview(buffer)])]):
-        pass
-    return buffer
-
-
 class _StreamCheck:
     """Checks one tensor of one part: shard files, indexes, chunk crc32c, and the selected samples' xxh3 and
     value ranges."""
@@ -431,6 +417,7 @@ class _StreamCheck:
         self._non_finite: set[str] = set()
         self._bad_values: list[str] = []  # samples whose values are out of range, and the first such value
         self._bad_value: int | None = None
+        self._codec = tensor.compression.codec(tensor.itemsize) if tensor.compression is not None else None
         self._limit = (2 if tensor.name == "loss_mask" else spec.vocab_size if tensor.name == "input_ids" and
                        spec.vocab_size is not None else None)  # values must be >= 0 and < this
 
@@ -462,23 +449,23 @@ class _StreamCheck:
         base, ct, st = shard * self.spec.shard_tokens, self.tensor.chunk_tokens, self.spec.shard_tokens
         try:
             size = self.storage.size(key)
-            raw_index = _read(self.storage, key, max(0, size - index_nbytes(per_shard)), size)
+            raw_index = self.storage.read_exact(key, max(0, size - index_nbytes(per_shard)), size)
         except FileNotFoundError:
             return self._fail_rows(base, base + st, "missing", "shard file missing", key)
         except (CorruptDataError, OSError) as e:
             return self._fail_rows(base, base + st, "unreadable", str(e), key)
         try:
-            index = decode_index(raw_index, per_shard, where="shard index")
-            written = int((index[:, 0] != 2**64 - 1).sum())
-            if encode_index(written, per_shard, chunk_size)[:-CRC_NBYTES] != index.tobytes():
-                raise CorruptDataError("shard index does not describe a dense shard (docs/format.md section 5)")
-            if size != written * chunk_size + index_nbytes(per_shard):
-                raise CorruptDataError(f"file is {size} bytes, its index implies "
-                                       f"{written * chunk_size + index_nbytes(per_shard)} (truncated?)")
+            spans = self._spans(decode_index(raw_index, per_shard, where="shard index"), size)
         except CorruptDataError as e:
             self._add("index", str(e), key, samples=[r.sample_id for r in self._rows_in(base, base + st)])
+            if self._codec is not None:
+                return self._fail_rows(base, base + st, "unreadable", "a compressed shard's chunks cannot be found "
+                                       "without its index", key)
             written = min(per_shard, max(0, (size - index_nbytes(per_shard)) // chunk_size))
+            spans = np.stack([np.arange(written) * chunk_size, np.full(written, chunk_size)], axis=1)
+        written = len(spans)
         bad_chunks: list[int] = []
+        undecodable: list[tuple[int, str]] = []  # compressed chunks whose crc32c holds but that do not decompress
         for first, end in runs:
             if end > written:
                 self._fail_rows(base + max(first, written) * ct, base + end * ct, "missing",
@@ -486,9 +473,9 @@ class _StreamCheck:
                 end = max(first, written)
             done = first  # chunks checked so far
             try:
-                for at, block in self._blocks(key, first, end):
-                    self._check_block(base, at, block, bad_chunks)
-                    done = at + len(block) // chunk_size
+                for a, b, block in self._blocks(key, spans, first, end):
+                    self._check_block(base, a, b, block, spans, bad_chunks, undecodable)
+                    done = b
             except (CorruptDataError, OSError) as e:
                 return self._fail_rows(base + done * ct, base + end * ct, "unreadable", str(e), key)
         if bad_chunks:
@@ -496,43 +483,82 @@ class _StreamCheck:
                 f"{len(bad_chunks):,} chunks ({', '.join(map(str, bad_chunks[:5]))}{', ...' if len(bad_chunks) > 5 else ''})"
             affected = {r.sample_id: r for j in bad_chunks for r in self._rows_in(base + j * ct, base + (j + 1) * ct)}
             self._add("checksum", f"crc32c mismatch in {what}", key,
-                      (bad_chunks[0] * chunk_size, (bad_chunks[-1] + 1) * chunk_size), list(affected))
+                      (int(spans[bad_chunks[0], 0]), int(spans[bad_chunks[-1]].sum())), list(affected))
+        if undecodable:
+            (j, why), more = undecodable[0], f" (and {len(undecodable) - 1} more chunks)" if len(undecodable) > 1 else ""
+            affected = {r.sample_id: r for j, _ in undecodable for r in self._rows_in(base + j * ct, base + (j + 1) * ct)}
+            self._add("checksum", f"chunk {j} does not decompress: {why}{more}", key,
+                      (int(spans[j, 0]), int(spans[j].sum())), list(affected))
 
-    def _blocks(self, key: str, first: int, end: int) -> Iterator[tuple[int, bytes]]:
-        """Chunks ``[first, end)`` in blocks, the next block read while the current one is checked."""
-        chunk_size = encoded_chunk_nbytes(self.tensor)
-        per_block = max(1, BLOCK_BYTES // chunk_size)
+    def _spans(self, index: np.ndarray, size: int) -> np.ndarray:
+        """``(offset, nbytes)`` of each written chunk, once the index is found to describe the file: dense
+        (uncompressed) or packed (compressed), and ending where the index starts."""
+        written = written_chunks(index)
+        if self._codec is None:
+            if encode_index(dense_sizes(self.tensor, written), len(index))[:-CRC_NBYTES] != index.tobytes():
+                raise CorruptDataError("shard index does not describe a dense shard (docs/format.md section 5)")
+        elif (problem := packed_index_problem(index)) is not None:
+            raise CorruptDataError(f"shard index does not describe a packed shard: {problem} (docs/format.md "
+                                   "section 5)")
+        implied = (int(index[written - 1].sum()) if written else 0) + index_nbytes(len(index))
+        if size != implied:
+            raise CorruptDataError(f"file is {size} bytes, its index implies {implied} (truncated?)")
+        return index[:written]
+
+    def _blocks(self, key: str, spans: np.ndarray, first: int, end: int) -> Iterator[tuple[int, int, bytes]]:
+        """Chunks ``[first, end)`` as ``(a, b, bytes of chunks [a, b))`` blocks, the next block read while the
+        current one is checked."""
+        per_block = max(1, BLOCK_BYTES // encoded_chunk_nbytes(self.tensor))
         starts = list(range(first, end, per_block))
         with ThreadPoolExecutor(1) as reader:
             def read(a: int):
                 b = min(end, a + per_block)
-                return _read(self.storage, key, a * chunk_size, b * chunk_size)
+                return a, b, self.storage.read_exact(key, int(spans[a, 0]), int(spans[b - 1].sum()))
 
             pending = reader.submit(read, starts[0]) if starts else None
             try:
-                for k, a in enumerate(starts):
-                    data = pending.result()
+                for k in range(len(starts)):
+                    block = pending.result()
                     pending = reader.submit(read, starts[k + 1]) if k + 1 < len(starts) else None
-                    yield a, data
+                    yield block
             finally:
                 if pending is not None:
                     pending.cancel()
 
-    def _check_block(self, base: int, first: int, block: bytes, bad_chunks: list[int]) -> None:
-        chunk_size, payload, ct = encoded_chunk_nbytes(self.tensor), self.tensor.chunk_nbytes, self.tensor.chunk_tokens
-        view = memoryview(block)
-        for k in range(len(block) // chunk_size):
-            j = first + k
-            data = view[k * chunk_size : k * chunk_size + payload]
-            stored = int.from_bytes(view[k * chunk_size + payload : (k + 1) * chunk_size], "little")
+    def _check_block(self, base: int, first: int, end: int, block: bytes, spans: np.ndarray,
+                     bad_chunks: list[int], undecodable: list[tuple[int, str]]) -> None:
+        payload, ct = self.tensor.chunk_nbytes, self.tensor.chunk_tokens
+        view, start = memoryview(block), int(spans[first, 0])
+        for j in range(first, end):
+            at, encoded = int(spans[j, 0]) - start, int(spans[j, 1])
+            data = view[at : at + encoded - CRC_NBYTES]
+            stored = int.from_bytes(view[at + encoded - CRC_NBYTES : at + encoded], "little")
             t0, t1 = base + j * ct, base + (j + 1) * ct
-            if crc32c(data) != stored:
+            intact = crc32c(data) == stored
+            if not intact:
                 bad_chunks.append(j)
+            if self._codec is not None:
+                data, why = self._decompressed(data, intact)
+                if why is not None:
+                    undecodable.append((j, why))
+                    intact = False
+            if not intact:
                 self._broken.update(r.sample_id for r in self._rows_in(t0, t1))
             self._feed(data, t0, t1)
             self.bytes_checked += payload
             if self.progress is not None:
                 self.progress(payload)
+
+    def _decompressed(self, data: memoryview, intact: bool) -> tuple[memoryview, str | None]:
+        """A compressed chunk's payload (zeros if it fails its crc32c or does not decompress), and why it does
+        not decompress (None: it does, or its crc32c failed and it was not tried)."""
+        out = memoryview(bytearray(self.tensor.chunk_nbytes))
+        if intact:
+            try:
+                decode_into(self._codec, data, out)
+            except ValueError as e:
+                return memoryview(bytearray(self.tensor.chunk_nbytes)), str(e)
+        return out, None
 
     def _feed(self, data: memoryview, t0: int, t1: int) -> None:
         """Hash (and range-check) the selected rows' bytes of chunk tokens ``[t0, t1)``; finish rows ending in it."""
@@ -562,8 +588,9 @@ class _StreamCheck:
                 ranges = token_ranges(self.spec, self.tensor, r.offset, r.length)
                 more = f" (and {len(ranges) - 1} more shard(s))" if len(ranges) > 1 else ""
                 key = shard_key(self.part, self.tensor, ranges[0].shard)
+                dense_range = (ranges[0].file_start, ranges[0].file_end) if self._codec is None else None
                 self._add("checksum", f"xxh3 {computed:016x} differs from the manifest's {expected:016x}{more}",
-                          key, (ranges[0].file_start, ranges[0].file_end), [r.sample_id])
+                          key, dense_range, [r.sample_id])
             self._next += 1
             self._hasher = manifest.content_hasher()
 

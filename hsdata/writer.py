@@ -8,6 +8,7 @@ finished, on ``flush()`` and on ``close()``. Nothing becomes visible before its 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,19 +22,20 @@ from .errors import DuplicateSampleError, WriterError
 from .layout import (MANIFESTS, PART_ATTRIBUTE, PARTS, PROVENANCE_ATTRIBUTE, ROOT_METADATA, SPEC_ATTRIBUTE,
                      array_document, array_node, check_provenance, encode_json, group_document, load_root,
                      metadata_key, part_node, shard_key)
-from .shard import ShardEncoder
+from .shard import CompressedShardEncoder, ShardEncoder
 from .spec import FINAL_HIDDEN_STATE, StoreSpec
 from .storage import Storage
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 INLINE_BYTES = 1 << 20  # rows of a sample smaller than this are written on the writer thread itself
+COMPRESS_THREADS = min(16, os.cpu_count() or 1)  # a compressed store's chunks are compressed on this many threads
 
 
 def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None = None, *,
            dtype: Any = "bfloat16", compute_dtype: Any = None, vocab_size: int | None = None,
            shard_tokens: int | None = None, chunk_tokens: int | None = None, storage_options: dict | None = None,
            max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, provenance: dict | None = None,
-           final_hidden_state: str = FINAL_HIDDEN_STATE) -> Writer:
+           final_hidden_state: str = FINAL_HIDDEN_STATE, compression: Any = None) -> Writer:
     """Create a store at ``url`` (any fsspec URL), or join an existing one with the same spec as a new writer.
 
     ``aux_layers`` are "output of layer k" ids (HF ``hidden_states[k + 1]``). ``dtype`` is how the hidden states
@@ -46,14 +48,16 @@ def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None 
     keys, at most 64 KiB): recorded in the root metadata by the writer that creates the store (``Store.provenance``,
     ``hsdata info``), in this writer's part otherwise. Checked before anything is written (``ValueError``).
     ``final_hidden_state``: what ``hidden_states`` holds, ``"post_norm"`` (hsdata's extraction) or ``"pre_norm"``
-    (dumps imported as they are).
+    (dumps imported as they are). ``compression``: how the hidden states' chunks are compressed on disk (None,
+    ``"zstd"``, ``"lz4"`` or a :class:`hsdata.Compression`; docs/format.md section 5a says what it costs); a
+    writer joining a store with None takes the store's.
     """
     if max_pending_bytes <= 0:
         raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
     provenance = None if provenance is None else check_provenance(provenance)
     requested = StoreSpec.new(hidden_size, aux_layers, model, dtype=dtype, compute_dtype=compute_dtype,
                               vocab_size=vocab_size, shard_tokens=shard_tokens, chunk_tokens=chunk_tokens,
-                              final_hidden_state=final_hidden_state)
+                              final_hidden_state=final_hidden_state, compression=compression)
     storage = Storage(url, storage_options)
     if not storage.exists(ROOT_METADATA):
         attributes = {SPEC_ATTRIBUTE: requested.to_dict()}
@@ -62,7 +66,8 @@ def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None 
         root = group_document(attributes)
         storage.write_bytes(ROOT_METADATA, encode_json(root), exclusive=True)  # a concurrent creator may win
     spec, root_provenance = load_root(storage)
-    explicit = {name for name, value in (("shard_tokens", shard_tokens), ("chunk_tokens", chunk_tokens)) if value}
+    explicit = {name for name, value in (("shard_tokens", shard_tokens), ("chunk_tokens", chunk_tokens),
+                                         ("compression", compression)) if value is not None}
     spec.check_joinable(requested, explicit=explicit)
     committed = removals.load(storage).drop_rows(manifest.load(storage)).column("sample_id").to_pylist()
     part_provenance = provenance if provenance and provenance != root_provenance else None  # joined it
@@ -260,6 +265,8 @@ class _PartWriter:
         self._last = {name: _DONE for name in self._lanes}  # each lane's latest task
         self._pool = ThreadPoolExecutor(len(spec.tensors), thread_name_prefix=f"hsdata-hash-{part}")
         self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"hsdata-commit-{part}")
+        compressed = spec.compression is not None
+        self._compressor = ThreadPoolExecutor(COMPRESS_THREADS, f"hsdata-compress-{part}") if compressed else None
         self._last_commit: Future = _DONE
         self._row_nbytes = sum(t.row_nbytes for t in spec.tensors)  # one token of every tensor
         self._failure: BaseException | None = None
@@ -319,8 +326,9 @@ class _PartWriter:
         self._raise_failure()
 
     def shutdown(self) -> None:
-        for executor in (*self._lanes.values(), self._pool, self._committer):
-            executor.shutdown(wait=True)
+        for executor in (*self._lanes.values(), self._pool, self._committer, self._compressor):
+            if executor is not None:
+                executor.shutdown(wait=True)
 
     def abort(self) -> None:
         """Discard the open shard's partial files, and those of closed shards that failed to commit, once no lane
@@ -360,7 +368,11 @@ class _PartWriter:
     def _open_shard(self, shard: int) -> None:
         for tensor in self.spec.tensors:
             writer = self.storage.open_writer(shard_key(self.part, tensor, shard))
-            self._files[tensor.name] = (writer, ShardEncoder(writer, self.spec, tensor))
+            if tensor.compression is None:
+                encoder = ShardEncoder(writer, self.spec, tensor)
+            else:  # up to two chunks in flight per thread: the threads stay busy while the lane writes
+                encoder = CompressedShardEncoder(writer, self.spec, tensor, self._compressor, 2 * COMPRESS_THREADS)
+            self._files[tensor.name] = (writer, encoder)
         self._shard = shard
 
     def _close_shard(self) -> None:

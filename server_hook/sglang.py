@@ -24,6 +24,7 @@ import torch
 
 import hsdata
 from hsdata import capture as capture_module
+from hsdata import compression
 from hsdata.capture import Capture, Piece, vocab_size
 from hsdata.client import RID_PREFIX
 from hsdata.dtypes import hidden_dtype
@@ -46,6 +47,7 @@ class HookConfig:
     flush_interval_s: float = 5.0
     max_staged_bytes: int = 4 << 30  # host memory for rows copied off the GPU and not yet written
     provenance: dict | None = None  # recorded in the store's provenance over what the hook records itself
+    compression: str | None = None  # "zstd" or "lz4": compress the hidden states of a store the hook creates
 
     @classmethod
     def parse(cls, config: Any) -> HookConfig:
@@ -61,6 +63,11 @@ class HookConfig:
             raise ValueError("hsdata hook: \"rid_prefix\" must be a string")
         if config.get("store_dtype") is not None:
             hidden_dtype("hsdata hook: store_dtype", config["store_dtype"])
+        if config.get("compression") is not None:
+            try:
+                compression.parse(config["compression"])
+            except ValueError as e:
+                raise ValueError(f"hsdata hook: {e}") from None
         if config.get("provenance") is not None:
             try:
                 check_provenance(config["provenance"])
@@ -154,7 +161,7 @@ class PrefillHook:
         writer = hsdata.create(self.config.store, hidden_size=hidden, aux_layers=list(layers), model=model,
                                dtype=self.config.store_dtype or final.dtype, compute_dtype=final.dtype,
                                vocab_size=vocab_size(module), storage_options=self.config.storage_options,
-                               provenance=provenance)
+                               provenance=provenance, compression=self.config.compression)
         capture = Capture(writer, flush_interval_s=self.config.flush_interval_s,
                           max_staged_bytes=self.config.max_staged_bytes)
         atexit.register(self.close)

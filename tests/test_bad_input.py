@@ -159,13 +159,17 @@ def test_bad_open_arguments(store_path, options, message):
         hsdata.open(str(store_path), **options)
 
 
-def test_unsupported_format_version(store_path):
+@pytest.mark.parametrize("version, message", [
+    (4, r"Unsupported hsdata format version 4. Expected one of 1, 2, 3."),
+    (3, r"hsdata attributes: missing keys \['compression'\]"),  # version 3 is version 2 plus compression
+])
+def test_unsupported_format_version(store_path, version, message):
     with hsdata.create(str(store_path), **SPEC):
         pass
     root = json.loads((store_path / "zarr.json").read_text())
-    root["attributes"]["hsdata"]["format_version"] = 3
+    root["attributes"]["hsdata"]["format_version"] = version
     (store_path / "zarr.json").write_text(json.dumps(root))
-    with pytest.raises(hsdata.UnsupportedFormatError, match="Unsupported hsdata format version 3. Expected 1 or 2."):
+    with pytest.raises(hsdata.UnsupportedFormatError, match=message):
         hsdata.open(str(store_path))
 
 

@@ -175,7 +175,7 @@ def _retyped(attributes: dict, dtype: str, data_type: str) -> dict:
     (lambda a: {**a, "dtype": "float32", "compute_dtype": "float32"}, r"inconsistent"),  # tensors still say uint16
     (lambda a: _retyped(a, "float16", "uint16"), r"inconsistent"),
     (lambda a: {**a, "format_version": True}, r"Unsupported hsdata format version True"),
-    (lambda a: {**a, "format_version": 99}, r"Unsupported hsdata format version 99. Expected 1 or 2."),
+    (lambda a: {**a, "format_version": 99}, r"Unsupported hsdata format version 99. Expected one of 1, 2, 3."),
 ])
 def test_root_attributes_are_parsed_strictly_per_version(store_path, attributes, change, message):
     _write_root(store_path, change(attributes))

@@ -89,6 +89,21 @@ def test_a_corrupt_object_on_s3_raises_and_validate_reports_it(s3, tmp_path):
     assert not validate(url, storage_options=s3["options"]).ok
 
 
+def test_a_compressed_store_on_s3_reads_back_through_its_indexes_and_validates(s3, tmp_path):
+    url = f"s3://{BUCKET}/compressed"
+    with hsdata.create(url, storage_options=s3["options"], hidden_size=32, aux_layers=[1, 4, 6],
+                       model="test/tiny-llama", compression="zstd", **SMALL_LAYOUT) as w:
+        for sample_id, sample in SAMPLES.items():
+            w.add(sample_id, **sample)
+    store = hsdata.open(url, storage_options=s3["options"], cache_dir=str(tmp_path / "cache"))
+    assert store.spec.format_version == 3
+    for _ in range(2):  # the second epoch through the local cache
+        for sample_id, got in zip(SAMPLES, store.read_many([store.index(i) for i in SAMPLES])):
+            assert_same(got, SAMPLES[sample_id])
+    report = validate(url, storage_options=s3["options"])
+    assert report.ok and report.samples_checked == len(SAMPLES), report.problems
+
+
 class _RangeHandler(RangeFilesHandler):
     """Static files with HTTP Range support; ``faults`` decides what to do to each file request."""
 

@@ -186,6 +186,17 @@ def test_config_is_checked():
         HookConfig.parse({})
     with pytest.raises(ValueError, match="flush_interval_s and max_staged_bytes must be positive"):
         HookConfig.parse({"store": "/x", "flush_interval_s": 0})
+    with pytest.raises(ValueError, match="hsdata hook: compression must be None, 'none', 'zstd', 'lz4'"):
+        HookConfig.parse({"store": "/x", "compression": "gzip"})
+
+
+def test_the_hook_writes_a_compressed_store_when_asked(tmp_path):
+    prompts = {f"req-{i}": make_sample(n, seed=i) for i, n in enumerate([3, 70, 20])}
+    model, hook = hooked_model(tmp_path / "store", compression="zstd")
+    serve(model, prompts, chunk=16, budget=40)  # chunked prefill
+    hook.close()
+    assert_stored(tmp_path / "store", prompts)
+    assert hsdata.open(str(tmp_path / "store")).spec.format_version == 3
 
 
 def test_wrong_aux_layer_count_is_logged_and_the_server_keeps_serving(tmp_path, caplog):

@@ -25,7 +25,7 @@ def reference_shard(rows: bytes, chunk_nbytes: int, num_chunks: int) -> bytes:
         chunk = rows[start : start + chunk_nbytes].ljust(chunk_nbytes, b"\0")
         out += chunk + struct.pack("<I", crc32c(chunk))
         chunks += 1
-    return bytes(out + encode_index(chunks, num_chunks, chunk_nbytes + 4))
+    return bytes(out + encode_index([chunk_nbytes + 4] * chunks, num_chunks))
 
 
 @pytest.mark.parametrize("seed", range(4))

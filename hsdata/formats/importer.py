@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,14 +78,14 @@ def source_hashes(sample: SourceSample, stored_dtype: str) -> dict[str, int | No
 
 def run_import(fmt: str, src: str, dest: str, *, aux_layers: list[int], model: str | None = None,
                vocab_size: int | None = None, shard: tuple[int, int] = (0, 1), storage_options: dict | None = None,
-               commit_bytes: int = DEFAULT_COMMIT_BYTES, provenance: dict | None = None,
+               commit_bytes: int = DEFAULT_COMMIT_BYTES, provenance: dict | None = None, compression: Any = None,
                on_plan: Callable[[int, int], None] | None = None,
                on_sample: Callable[[int], None] | None = None) -> ImportSummary:
     """Import the ``fmt`` dump at ``src`` into the store ``dest`` (created, or joined: resume). Bad source files
     are listed in the summary, never imported; the caller decides what they mean for the exit status.
 
     ``on_plan(files, already_done)`` is called once before the first file is read; ``on_sample(tokens)`` after
-    each verified sample."""
+    each verified sample. ``compression``: of a store created here (``hsdata.create``)."""
     started = time.monotonic()
     module = get(fmt)
     k, n = shard
@@ -106,7 +107,8 @@ def run_import(fmt: str, src: str, dest: str, *, aux_layers: list[int], model: s
     if on_plan is not None:
         on_plan(len(mine), len(done) - len(recheck))
     session = _Session(module, reader, dest, storage, storage_options, summary, commit_bytes, on_sample,
-                       {"aux_layers": list(aux_layers), "model": model, "vocab_size": vocab_size}, provenance, batch)
+                       {"aux_layers": list(aux_layers), "model": model, "vocab_size": vocab_size,
+                        "compression": compression}, provenance, batch)
     try:
         for rel in recheck:
             session.recheck(rel)
@@ -196,7 +198,8 @@ class _Session:
         return create(self.dest, hidden, self.spec_args["aux_layers"], self.spec_args["model"], dtype=dtype,
                       vocab_size=self.spec_args["vocab_size"], storage_options=self.storage_options,
                       max_pending_bytes=min(MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_BYTES),
-                      provenance=self.provenance, final_hidden_state=self.module.FINAL_HIDDEN_STATE)
+                      provenance=self.provenance, final_hidden_state=self.module.FINAL_HIDDEN_STATE,
+                      compression=self.spec_args["compression"])
 
     def _read(self, rel: str) -> SourceSample | None:
         try:

@@ -1,0 +1,102 @@
+"""Lossless compression of the hidden-state chunks: zarr v3's standard ``blosc`` codec (docs/format.md section 5a).
+
+A store records one :class:`Compression` for its two hidden-state tensors (``input_ids`` and ``loss_mask`` are
+~5 bytes a token and stay uncompressed). Each inner chunk is compressed on its own, so plain zarr-python and
+tensorstore read the arrays through the ``blosc`` codec of their ``zarr.json``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numcodecs
+
+CNAMES = ("zstd", "lz4", "lz4hc", "zlib", "blosclz")
+SHUFFLES = {"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
+            "bitshuffle": numcodecs.Blosc.BITSHUFFLE}
+MAX_BLOCKSIZE = 1 << 30
+
+
+@dataclass(frozen=True)
+class Compression:
+    """A blosc configuration as zarr's ``blosc`` codec records it (``typesize`` is the tensor's item size)."""
+
+    cname: str
+    clevel: int
+    shuffle: str
+    blocksize: int  # bytes per blosc block, 0: blosc's own choice
+
+    def __post_init__(self):
+        if self.cname not in CNAMES:
+            raise ValueError(f"compression cname must be one of {', '.join(CNAMES)}, got {self.cname!r}")
+        if type(self.clevel) is not int or not 1 <= self.clevel <= 9:
+            raise ValueError(f"compression clevel must be an integer in [1, 9], got {self.clevel!r}")
+        if self.shuffle not in SHUFFLES:
+            raise ValueError(f"compression shuffle must be one of {', '.join(SHUFFLES)}, got {self.shuffle!r}")
+        if type(self.blocksize) is not int or not 0 <= self.blocksize <= MAX_BLOCKSIZE:
+            raise ValueError(f"compression blocksize must be an integer in [0, {MAX_BLOCKSIZE}], "
+                             f"got {self.blocksize!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": "blosc", "configuration": asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Compression:
+        """Parse the spec's ``compression`` strictly (``ValueError`` naming what is wrong)."""
+        if not isinstance(d, dict) or set(d) != {"name", "configuration"} or d["name"] != "blosc":
+            raise ValueError(f"compression must be {{'name': 'blosc', 'configuration': {{...}}}}, got {d!r}")
+        config, fields = d["configuration"], {"cname", "clevel", "shuffle", "blocksize"}
+        if not isinstance(config, dict) or set(config) != fields:
+            raise ValueError(f"compression configuration must have exactly the keys {sorted(fields)}, got {config!r}")
+        return cls(**config)
+
+    def codec_document(self, typesize: int) -> dict[str, Any]:
+        """The ``blosc`` entry of an array's inner codecs."""
+        return {"name": "blosc", "configuration": {**asdict(self), "typesize": typesize}}
+
+    def codec(self, typesize: int) -> numcodecs.Blosc:
+        """An encoder and decoder of single chunks; safe to share between threads."""
+        return numcodecs.Blosc(self.cname, self.clevel, SHUFFLES[self.shuffle], self.blocksize, typesize)
+
+    def __str__(self) -> str:
+        return f"blosc {self.cname} level {self.clevel}, {self.shuffle}, blocks of {self.blocksize or 'auto'}"
+
+
+# Named choices (benchmarks/RESULTS.md, compression section): zstd stores 0.69 of bf16 states, lz4 0.75 and decodes faster.
+PRESETS = {
+    "zstd": Compression("zstd", 1, "shuffle", 1 << 20),
+    "lz4": Compression("lz4", 5, "bitshuffle", 0),
+}
+
+
+def parse(value: Any) -> Compression | None:
+    """``None`` or ``"none"``: no compression; a preset name (``PRESETS``); or a :class:`Compression`."""
+    if value is None or value == "none":
+        return None
+    if isinstance(value, Compression):
+        return value
+    if isinstance(value, str) and value in PRESETS:
+        return PRESETS[value]
+    raise ValueError(f"compression must be None, 'none', {', '.join(map(repr, PRESETS))} or a "
+                     f"hsdata.Compression, got {value!r}")
+
+
+BLOSC_HEADER = struct.Struct("<BBBBIII")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
+
+
+def decode_into(codec: numcodecs.Blosc, data: memoryview, out: memoryview) -> None:
+    """Decompress one chunk into ``out``, which it must fill exactly; ``ValueError`` saying why if ``data`` is
+    not a blosc frame of that size (its header is read first, so a hostile one cannot overrun ``out``)."""
+    if data.nbytes < BLOSC_HEADER.size:
+        raise ValueError(f"{data.nbytes} bytes are too short for a blosc header ({BLOSC_HEADER.size})")
+    *_, nbytes, _blocksize, cbytes = BLOSC_HEADER.unpack_from(data)
+    if cbytes != data.nbytes:
+        raise ValueError(f"its blosc header says {cbytes} compressed bytes, the chunk holds {data.nbytes}")
+    if nbytes != out.nbytes:
+        raise ValueError(f"its blosc header says it decompresses to {nbytes} bytes, expected {out.nbytes}")
+    try:
+        codec.decode(data, out=out)
+    except RuntimeError as e:
+        raise ValueError(f"blosc cannot decompress it: {e}") from None

@@ -1,0 +1,232 @@
+"""Compressed stores (format version 3): bit-exact reads, plain zarr and tensorstore, validate, joining, hostile
+chunks and indexes, remote and DataLoader-worker reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import tensorstore as ts
+import torch
+import zarr
+from crc32c import crc32c
+
+import hsdata
+from hsdata.compression import PRESETS, Compression
+from hsdata.layout import shard_key
+from hsdata.shard import chunks_per_shard, decode_index, index_nbytes
+from hsdata.torch import Eagle3Dataset
+from hsdata.validate import validate
+
+from conftest import SMALL_LAYOUT, SPEC, assert_same, make_sample
+
+
+def write(path, samples, compression="zstd", **layout):
+    with hsdata.create(str(path), **SPEC, **(layout or SMALL_LAYOUT), compression=compression) as w:
+        for sample_id, sample in samples.items():
+            w.add(sample_id, **sample)
+
+
+def disk_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def shard_file(store: hsdata.Store, sample_id: str, tensor: str) -> tuple[str, int]:
+    part, offset, _ = store.location(store.index(sample_id))
+    spec = store.spec
+    shard = offset // spec.shard_tokens
+    return os.path.join(store.url, shard_key(part, spec.tensor(tensor), shard)), shard
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_compressed_store_reads_back_bit_exact_and_is_smaller(tmp_path, ragged_samples, preset):
+    write(tmp_path / "plain", ragged_samples, compression=None)
+    write(tmp_path / "packed", ragged_samples, compression=preset)
+    store = hsdata.open(str(tmp_path / "packed"))
+    assert store.spec.format_version == 3 and store.spec.compression == PRESETS[preset]
+    assert hsdata.open(str(tmp_path / "plain")).spec.format_version == 2  # uncompressed stays readable by v2
+    for sample_id, sample in ragged_samples.items():
+        assert_same(store.get(sample_id), sample)
+    ids = list(ragged_samples)[::3]
+    for got, sample_id in zip(store.read_many([store.index(i) for i in ids], ["hidden_states"]), ids):
+        assert_same(got, {"hidden_states": ragged_samples[sample_id]["hidden_states"]})
+    assert disk_bytes(tmp_path / "packed") < 0.9 * disk_bytes(tmp_path / "plain")
+    report = validate(str(tmp_path / "packed"))
+    assert report.ok and report.samples_checked == len(ragged_samples), report.problems
+
+
+def test_ranges_cut_at_chunk_boundaries_read_back_exact(tmp_path, ragged_samples):
+    """A small ``range_bytes`` splits a sample's chunks over many reads, locally on the I/O threads."""
+    write(tmp_path / "s", ragged_samples)
+    store = hsdata.open(str(tmp_path / "s"), range_bytes=1, concurrency=3)
+    for sample_id, sample in ragged_samples.items():
+        assert_same(store.get(sample_id), sample)
+
+
+def test_plain_zarr_and_tensorstore_read_compressed_arrays(tmp_path, ragged_samples):
+    write(tmp_path / "s", ragged_samples)
+    store = hsdata.open(str(tmp_path / "s"))
+    part = store.location(0)[0]
+    path = f"{store.url}/parts/{part}/aux_hidden_states"
+    document = json.load(open(f"{path}/zarr.json"))
+    inner = document["codecs"][0]["configuration"]["codecs"]
+    assert [c["name"] for c in inner] == ["bytes", "blosc", "crc32c"]
+    assert inner[1]["configuration"] == {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20,
+                                         "typesize": 2}
+    by_zarr = zarr.open_array(path, mode="r")[:]
+    by_ts = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}).result().read().result()
+    np.testing.assert_array_equal(by_zarr, by_ts)
+    for i in range(len(store)):
+        _, offset, length = store.location(i)
+        want = ragged_samples[store.sample_ids[i]]["aux_hidden_states"].view(torch.uint16).numpy()
+        np.testing.assert_array_equal(by_zarr[offset : offset + length], want)
+
+
+def test_a_joining_writer_takes_the_store_compression_and_a_different_one_is_refused(tmp_path):
+    samples = {f"a{i}": make_sample(40 + i, seed=i) for i in range(5)}
+    write(tmp_path / "s", samples)
+    more = {f"b{i}": make_sample(30 + i, seed=100 + i) for i in range(3)}
+    with hsdata.create(str(tmp_path / "s"), **SPEC) as w:  # compression None: the store's
+        for sample_id, sample in more.items():
+            w.add(sample_id, **sample)
+    store = hsdata.open(str(tmp_path / "s"))
+    assert len(store) == 8 and validate(str(tmp_path / "s")).ok
+    for sample_id, sample in {**samples, **more}.items():
+        assert_same(store.get(sample_id), sample)
+    with pytest.raises(hsdata.SpecMismatchError, match="compression: store has blosc zstd level 1.*requested none"):
+        hsdata.create(str(tmp_path / "s"), **SPEC, compression="none")
+    write(tmp_path / "plain", samples, compression=None)
+    with pytest.raises(hsdata.SpecMismatchError, match="compression: store has none, requested blosc lz4"):
+        hsdata.create(str(tmp_path / "plain"), **SPEC, compression="lz4")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("gzip", "compression must be None, 'none', 'zstd', 'lz4' or a hsdata.Compression, got 'gzip'"),
+    (Compression("zstd", 1, "shuffle", 0), None),
+])
+def test_compression_option_is_checked(tmp_path, value, message):
+    if message is None:
+        hsdata.create(str(tmp_path / "s"), **SPEC, compression=value).close()
+        assert hsdata.open(str(tmp_path / "s")).spec.compression == value
+        return
+    with pytest.raises(ValueError, match=message):
+        hsdata.create(str(tmp_path / "s"), **SPEC, compression=value)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"cname": "evil", "clevel": 1, "shuffle": "shuffle", "blocksize": 0}, "cname must be one of"),
+    ({"cname": "zstd", "clevel": 99, "shuffle": "shuffle", "blocksize": 0}, r"clevel must be an integer in \[1, 9\]"),
+    ({"cname": "zstd", "clevel": 1, "shuffle": "shuffle"}, "must have exactly the keys"),
+])
+def test_a_hostile_compression_record_is_refused(tmp_path, config, message):
+    write(tmp_path / "s", {"a": make_sample(10, seed=0)})
+    root = json.loads((tmp_path / "s" / "zarr.json").read_text())
+    root["attributes"]["hsdata"]["compression"]["configuration"] = config
+    (tmp_path / "s" / "zarr.json").write_text(json.dumps(root))
+    with pytest.raises(hsdata.UnsupportedFormatError, match=message):
+        hsdata.open(str(tmp_path / "s"))
+
+
+def _shard(store: hsdata.Store, sample_id: str, tensor: str) -> tuple[str, int, np.ndarray]:
+    """The path of the (first) shard holding a sample's rows of ``tensor``, its chunk count and its index."""
+    path, _ = shard_file(store, sample_id, tensor)
+    per_shard = chunks_per_shard(store.spec, store.spec.tensor(tensor))
+    index = decode_index(open(path, "rb").read()[-index_nbytes(per_shard) :], per_shard, where=path)
+    return path, per_shard, index.copy()
+
+
+def _rewrite_chunk(store: hsdata.Store, sample_id: str, tensor: str, change, *, fix_crc: bool) -> None:
+    """Apply ``change`` to the compressed bytes of the first chunk holding the sample (its crc32c recomputed if
+    ``fix_crc``)."""
+    path, _, index = _shard(store, sample_id, tensor)
+    _, offset, _ = store.location(store.index(sample_id))
+    chunk = offset % store.spec.shard_tokens // store.spec.tensor(tensor).chunk_tokens
+    data = bytearray(open(path, "rb").read())
+    start, size = int(index[chunk, 0]), int(index[chunk, 1])
+    payload = bytearray(data[start : start + size - 4])
+    change(payload)
+    trailer = struct.pack("<I", crc32c(bytes(payload))) if fix_crc else data[start + size - 4 : start + size]
+    data[start : start + size] = payload + trailer
+    open(path, "wb").write(bytes(data))
+
+
+def test_a_corrupt_compressed_chunk_is_refused_by_reads_and_reported_by_validate(tmp_path):
+    samples = {f"s{i}": make_sample(100, seed=i) for i in range(6)}
+    write(tmp_path / "s", samples)
+    store = hsdata.open(str(tmp_path / "s"))
+    _rewrite_chunk(store, "s0", "aux_hidden_states", lambda b: b.__setitem__(slice(40, 48), bytes(8)), fix_crc=False)
+    with pytest.raises(hsdata.CorruptDataError, match=r"sample 's0': .*aux_hidden_states/c/0/0.*chunk 0 of the "
+                                                      r"range fails its crc32c"):
+        hsdata.open(str(tmp_path / "s")).get("s0")
+    assert_same(hsdata.open(str(tmp_path / "s")).get("s5"), samples["s5"])  # other shards are fine
+    report = validate(str(tmp_path / "s"))
+    assert not report.ok
+    assert [(p.kind, p.tensor, list(p.samples)) for p in report.problems] == [("checksum", "aux_hidden_states",
+                                                                                ["s0"])]
+    assert "crc32c mismatch in chunk" in report.problems[0].message
+
+
+def test_a_chunk_whose_blosc_header_lies_is_refused_before_it_is_decoded(tmp_path):
+    """A crafted chunk (crc32c recomputed) that claims to decompress to more than a chunk holds."""
+    samples = {f"s{i}": make_sample(100, seed=i) for i in range(3)}
+    write(tmp_path / "s", samples)
+    store = hsdata.open(str(tmp_path / "s"))
+    _rewrite_chunk(store, "s0", "hidden_states", lambda b: b.__setitem__(slice(4, 8), struct.pack("<I", 1 << 30)),
+                   fix_crc=True)
+    with pytest.raises(hsdata.CorruptDataError, match="decompresses to 1073741824 bytes, expected"):
+        hsdata.open(str(tmp_path / "s")).get("s0")
+    report = validate(str(tmp_path / "s"))
+    assert [(p.kind, p.tensor, list(p.samples)) for p in report.problems] == [("checksum", "hidden_states", ["s0"])]
+    assert "does not decompress: its blosc header says it decompresses to 1073741824" in report.problems[0].message
+
+
+def test_an_index_that_is_not_packed_or_a_truncated_shard_is_refused(tmp_path):
+    samples = {f"s{i}": make_sample(100, seed=i) for i in range(3)}
+    write(tmp_path / "s", samples)
+    store = hsdata.open(str(tmp_path / "s"))
+    path, per_shard, index = _shard(store, "s1", "hidden_states")
+    data = open(path, "rb").read()
+    index[0, 0] = 1  # a valid crc32c, the first chunk misplaced
+    raw = index.astype("<u8").tobytes()
+    open(path, "wb").write(data[: -index_nbytes(per_shard)] + raw + struct.pack("<I", crc32c(raw)))
+    with pytest.raises(hsdata.CorruptDataError, match="shard index: its chunks do not lie back to back from byte 0"):
+        hsdata.open(str(tmp_path / "s")).get("s1")
+    report = validate(str(tmp_path / "s"))
+    assert ("index", "hidden_states") in {(p.kind, p.tensor) for p in report.problems}
+    open(path, "wb").write(data[:-10])  # truncated: the index's crc32c fails
+    with pytest.raises(hsdata.CorruptDataError, match="shard index"):
+        hsdata.open(str(tmp_path / "s")).get("s1")
+    report = validate(str(tmp_path / "s"))
+    kinds = {(p.kind, p.tensor) for p in report.problems}
+    assert ("index", "hidden_states") in kinds and ("unreadable", "hidden_states") in kinds
+    unreadable = [p for p in report.problems if p.kind == "unreadable"]
+    assert unreadable[0].samples and set(unreadable[0].samples) <= set(samples)
+
+
+def test_dataloader_workers_read_a_compressed_store(tmp_path, ragged_samples):
+    write(tmp_path / "s", ragged_samples)
+    dataset = Eagle3Dataset(str(tmp_path / "s"))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
+                                         multiprocessing_context="fork")
+    seen = {}
+    for item in loader:
+        seen[item["sample_id"]] = item
+    assert set(seen) == set(ragged_samples)
+    for sample_id, sample in ragged_samples.items():
+        assert_same(seen[sample_id], {k: v for k, v in sample.items() if k.endswith("hidden_states")})
+
+
+def test_cli_extract_writes_a_compressed_store_and_info_says_so(tmp_path, capsys):
+    from hsdata.cli import main
+
+    out = tmp_path / "demo"
+    assert main(["extract", "--out", str(out), "--compression", "zstd"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "(format v3)" in shown and "compressed  blosc zstd level 1, shuffle" in shown
+    assert main(["validate", str(out)]) == 0
