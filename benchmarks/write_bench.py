@@ -37,6 +37,8 @@ import hsdata
 import hsdata.storage
 
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
+COMPRESSED = ("zstd", "lz4")  # variants writing a compressed store (hsdata.create(..., compression=...))
+COMPRESSED_METHODS = tuple(f"hsdata {name}" for name in COMPRESSED)
 
 # sample-length mixes: (name, draw(rng) -> tokens)
 MIXES = {
@@ -56,12 +58,18 @@ def make_lengths(mix: str, token_budget: int, seed: int) -> list[int]:
     return lengths
 
 
-def make_samples(lengths: list[int], hidden: int, layers: int, seed: int) -> list[dict[str, torch.Tensor]]:
+def make_samples(lengths: list[int], hidden: int, layers: int, seed: int,
+                 values: str = "bits") -> list[dict[str, torch.Tensor]]:
     """bf16 torch tensors as an engine hands them over: slices of one random pool (so the pool, not every
-    sample, is resident), ids and masks of their own."""
+    sample, is resident), ids and masks of their own. ``values``: "bits", uniformly random bit patterns
+    (incompressible); "normal", N(0, 1) rounded to bf16 (blosc zstd stores ~0.8 of it, near a random-weight
+    model's states; a trained model's compress to ~0.69, benchmarks/compression_bench.py)."""
     rng = np.random.default_rng(seed)
     widest = max(lengths) * layers * hidden
-    pool = torch.from_numpy(rng.integers(0, 2**16, 2 * widest, dtype=np.uint16)).view(torch.bfloat16)
+    if values == "normal":
+        pool = torch.from_numpy(rng.standard_normal(2 * widest, dtype=np.float32)).to(torch.bfloat16)
+    else:
+        pool = torch.from_numpy(rng.integers(0, 2**16, 2 * widest, dtype=np.uint16)).view(torch.bfloat16)
     samples = []
     for n in lengths:
         def block(width: int, n: int = n) -> torch.Tensor:
@@ -143,8 +151,10 @@ def write_hsdata(directory: str, samples: list[dict], hidden: int, layers: int, 
         hsdata.storage.WRITEBACK_BYTES = 1 << 62
     elif method.startswith("hsdata wb-"):  # the early writeback started every N MiB instead
         hsdata.storage.WRITEBACK_BYTES = int(method.removeprefix("hsdata wb-")) << 20
+    compression = method.removeprefix("hsdata ") if method in COMPRESSED_METHODS else None
     try:
-        with package.create(directory, hidden_size=hidden, aux_layers=list(range(1, layers + 1)), model="bench") as w:
+        with package.create(directory, hidden_size=hidden, aux_layers=list(range(1, layers + 1)), model="bench",
+                            compression=compression) as w:
             for i, sample in enumerate(samples):
                 w.add(f"{prefix}{i:07d}", **sample)
     finally:
@@ -169,8 +179,9 @@ def clear(path: str) -> None:
 
 # ---- N processes ------------------------------------------------------------------------------------------
 
-def _worker(method: str, directory: str, lengths, hidden, layers, seed, rank, barrier, results, before) -> None:
-    samples = make_samples(lengths, hidden, layers, seed + 1000 * (rank + 1))
+def _worker(method: str, directory: str, lengths, hidden, layers, seed, values, rank, barrier, results,
+            before) -> None:
+    samples = make_samples(lengths, hidden, layers, seed + 1000 * (rank + 1), values)
     if method.startswith("hsdata"):
         package = hsdata_module(method, before)
         run = lambda: write_hsdata(directory, samples, hidden, layers, prefix=f"w{rank}-", package=package,
@@ -185,12 +196,12 @@ def _worker(method: str, directory: str, lengths, hidden, layers, seed, rank, ba
 
 
 def run_processes(method: str, directory: str, shares: list[list[int]], hidden: int, layers: int, seed: int,
-                  before: str | None) -> float:
+                  values: str, before: str | None) -> float:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(len(shares))
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(method, directory, lengths, hidden, layers, seed, rank, barrier,
-                                               results, before)) for rank, lengths in enumerate(shares)]
+    procs = [ctx.Process(target=_worker, args=(method, directory, lengths, hidden, layers, seed, values, rank,
+                                               barrier, results, before)) for rank, lengths in enumerate(shares)]
     for p in procs:
         p.start()
     got = [results.get() for _ in procs]
@@ -211,8 +222,9 @@ def measure(args, mix: str, hidden: int, writers: int) -> dict:
     methods = ["raw seq", "raw par", "hsdata"] + (["hsdata before"] if args.before else []) + \
         [f"hsdata {v}" for v in args.variants]
     times: dict[str, list[float]] = {m: [] for m in methods}
+    disk: dict[str, int] = {}  # bytes on disk of each hsdata method's store
     if writers == 1:
-        samples = make_samples(lengths, hidden, args.layers, args.seed)
+        samples = make_samples(lengths, hidden, args.layers, args.seed, args.values)
         nbytes = sum(sample_nbytes(s) for s in samples)
         run = {"raw seq": lambda: raw_seq(scratch, samples), "raw par": lambda: raw_par(scratch, samples)}
         for m in methods[2:]:
@@ -221,7 +233,8 @@ def measure(args, mix: str, hidden: int, writers: int) -> dict:
     else:
         shares = [lengths[r::writers] for r in range(writers)]
         nbytes = sum(n * token_bytes for n in lengths)
-        run = {m: (lambda m=m: run_processes(m, scratch, shares, hidden, args.layers, args.seed, args.before))
+        run = {m: (lambda m=m: run_processes(m, scratch, shares, hidden, args.layers, args.seed, args.values,
+                                             args.before))
                for m in methods}
     clear(scratch)
     drop_caches()
@@ -235,12 +248,14 @@ def measure(args, mix: str, hidden: int, writers: int) -> dict:
             inner = run[m]()
             elapsed = time.perf_counter() - started
             times[m].append(inner if writers > 1 else elapsed)  # N processes: barrier to the last one done
+            if m.startswith("hsdata"):
+                disk[m] = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(scratch) for f in files)
     clear(scratch)
     med = {m: statistics.median(t) for m, t in times.items()}
     best_raw = min(med["raw seq"], med["raw par"])
     paired = [min(times["raw seq"][i], times["raw par"][i]) / times["hsdata"][i] for i in range(args.repeat)]
     row = {"mix": mix, "hidden": hidden, "writers": writers, "samples": len(lengths), "tokens": sum(lengths),
-           "bytes": nbytes, "times": times, "median_s": med,
+           "bytes": nbytes, "times": times, "median_s": med, "disk_bytes": disk, "values": args.values,
            "gbps": {m: nbytes / s / 1e9 for m, s in med.items()},
            "hsdata_x_best_raw": best_raw / med["hsdata"], "paired_ratios": paired,
            "x_best_raw": {m: best_raw / med[m] for m in methods}}
@@ -276,9 +291,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--before", help="folder holding an older hsdata as package hsdata_old: adds method "
                         "'hsdata before' (git archive HEAD hsdata | tar -x -C DIR; mv DIR/hsdata DIR/hsdata_old)")
-    parser.add_argument("--variants", nargs="*", default=[], choices=["no-wb", "wb-8", "wb-128", "wb-512"],
+    parser.add_argument("--values", choices=["bits", "normal"], default="bits",
+                        help="sample values: random bit patterns (incompressible), or N(0, 1) in bf16 (make_samples)")
+    parser.add_argument("--variants", nargs="*", default=[], choices=["no-wb", "wb-8", "wb-128", "wb-512",
+                                                                      *COMPRESSED],
                         help="ablations: no-wb = without early writeback (sync_file_range), wb-N = started every "
-                        "N MiB (default 32)")
+                        "N MiB (default 32); zstd, lz4 = a compressed store (with --values normal)")
     parser.add_argument("--json", help="also write results here")
     args = parser.parse_args()
     if os.geteuid() != 0:
