@@ -129,6 +129,19 @@ def test_specforge_round_trip_is_bit_exact(tmp_path, capsys):
     assert code == 0 and report["written"] == 0 and report["skipped"] == 6
 
 
+def test_an_import_into_a_compressed_store_exports_back_bit_exact(tmp_path, capsys):
+    src, store, out = tmp_path / "sf", tmp_path / "store", tmp_path / "out"
+    samples = make_specforge(src)
+    code, report = run_cli(capsys, "import", "--from", "specforge", src, store, *AUX, "--compression", "zstd")
+    assert code == 0 and report["imported"] == 6
+    with hsdata.open(str(store)) as s:
+        assert s.spec.format_version == 3 and s.spec.compression.cname == "zstd"
+    assert run_cli(capsys, "export", "--to", "specforge", store, out)[0] == 0
+    for rel, want in samples.items():
+        got = torch.load(out / rel, weights_only=True)
+        assert all(same_bits(got[key], want[key]) for key in want), rel
+
+
 def test_specforge_gz_and_float32(tmp_path, capsys):
     src, store = tmp_path / "sf", tmp_path / "store"
     (src / "rows_0-2000").mkdir(parents=True)
