@@ -48,7 +48,10 @@ def start(rank: Rank, timeout_s: float) -> None:
 
 
 def stop() -> None:
-    dist.destroy_process_group()
+    """Leave the process group; one whose collective failed (a rank died) is left as it is: tearing down gloo
+    with a broken connection can abort the process ("terminate called without an active exception")."""
+    if not _broken:
+        dist.destroy_process_group()
 
 
 def from_rank0(read: Callable[[], T]) -> T:
@@ -84,11 +87,16 @@ def barrier() -> None:
     _together(dist.barrier)
 
 
+_broken = False  # a collective of this process failed
+
+
 def _together(collective: Callable[[], Any]) -> None:
     """Run a collective; a rank that died or did not come in time is a one-line error, not a gloo traceback."""
+    global _broken
     try:
         collective()
     except RuntimeError as e:
+        _broken = True
         raise ConnectionError(f"rank {dist.get_rank()}: not every rank of the job answered (one failed, or did "
                               f"not come within --rank-timeout; its own log says why): {e}") from None
 
