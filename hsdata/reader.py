@@ -24,7 +24,7 @@ from .layout import (MAX_METADATA_BYTES, array_node, load_part_provenance, load_
                      read_document, shard_key)
 from .pool import ProcessLocalPool
 from .shard import (CRC_NBYTES, ChunkRun, ShardRange, chunk_runs, chunks_per_shard, decode_index, decode_run,
-                    encoded_chunk_nbytes, index_nbytes, packed_index_problem, token_ranges, written_chunks)
+                    encoded_chunk_nbytes, index_nbytes, index_spans, token_ranges)
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
 from .storage import MAX_REQUESTS, Storage
 
@@ -94,7 +94,7 @@ class Store:
         self._array_tokens = _array_tokens(storage, spec, self._part_names)  # read now: a later epoch may read
         # through the cache alone
         self._shard_sizes: dict[str, int] = {}  # shard key -> file size, read at first use (write-once files)
-        self._indexes: dict[str, np.ndarray] = {}  # compressed shard key -> its checked index, read at first use
+        self._spans: dict[str, np.ndarray] = {}  # compressed shard key -> its written chunks, read at first use
         self._codecs = {t.name: t.compression.codec(t.itemsize) for t in spec.tensors if t.compression is not None}
 
     @property
@@ -266,30 +266,27 @@ class Store:
 
     def _chunk_runs(self, sample_id: str, part: str, tensor: TensorSpec, offset: int, length: int) -> list[ChunkRun]:
         """The compressed chunks holding a sample's rows of one tensor, from the indexes of the shards they lie in."""
-        st = self.spec.shard_tokens
-        keys = [shard_key(part, tensor, shard) for shard in range(offset // st, (offset + length - 1) // st + 1)]
-        indexes = [self._index(sample_id, key, tensor) for key in keys]
-        return chunk_runs(self.spec, tensor, indexes, offset, length, where=[self._storage.describe(k) for k in keys])
+        def key(shard: int) -> str:
+            return shard_key(part, tensor, shard)
 
-    def _index(self, sample_id: str, key: str, tensor: TensorSpec) -> np.ndarray:
-        """A compressed shard's index, checked: its crc32c, the packed rule, within the file (read once)."""
-        index = self._indexes.get(key)
-        if index is not None:
-            return index
+        return chunk_runs(self.spec, tensor, lambda shard: self._chunk_spans(sample_id, key(shard), tensor), offset,
+                          length, lambda shard: self._storage.describe(key(shard)))
+
+    def _chunk_spans(self, sample_id: str, key: str, tensor: TensorSpec) -> np.ndarray:
+        """A compressed shard's written chunks from its index, checked against the file (read once)."""
+        spans = self._spans.get(key)
+        if spans is not None:
+            return spans
         where, per_shard = self._storage.describe(key), chunks_per_shard(self.spec, tensor)
         size, index_size = self._shard_size(sample_id, key), index_nbytes(per_shard)
         if size < index_size:
             raise CorruptDataError(f"{where} is {size} bytes, shorter than its shard index ({index_size}; truncated?)")
-        index = decode_index(self._storage.read_exact(key, size - index_size, size), per_shard,
-                             where=where)
-        problem = packed_index_problem(index)
-        n = written_chunks(index)
-        if problem is None and n and int(index[n - 1].sum()) != size - index_size:
-            problem = f"its chunks end at byte {int(index[n - 1].sum())}, the index starts at {size - index_size}"
-        if problem is not None:
-            raise CorruptDataError(f"{where}: shard index: {problem}")
-        self._indexes[key] = index
-        return index
+        index = decode_index(self._storage.read_exact(key, size - index_size, size), per_shard, where=where)
+        try:
+            spans = self._spans[key] = index_spans(index, size, tensor)
+        except CorruptDataError as e:
+            raise CorruptDataError(f"{where}: {e}") from None
+        return spans
 
     def _shard_size(self, sample_id: str, key: str) -> int:
         size = self._shard_sizes.get(key)

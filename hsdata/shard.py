@@ -11,10 +11,11 @@ a reader can address any token without the index (the dense rule); a compressed 
 from __future__ import annotations
 
 import struct
+import threading
 from collections import deque
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 from crc32c import crc32c
@@ -52,28 +53,32 @@ def encode_index(sizes: Sequence[int], num_chunks: int) -> bytes:
     return raw + struct.pack("<I", crc32c(raw))
 
 
-def dense_sizes(tensor: TensorSpec, written_chunks: int) -> list[int]:
-    """The encoded sizes of an uncompressed shard's first ``written_chunks`` chunks."""
-    return [encoded_chunk_nbytes(tensor)] * written_chunks
-
-
 def written_chunks(index: np.ndarray) -> int:
-    """How many chunks a packed index records (those before the first missing entry)."""
+    """How many chunks an index records (those before the first missing entry)."""
     missing = np.flatnonzero(index[:, 0] == MISSING)
     return int(missing[0]) if len(missing) else len(index)
 
 
-def packed_index_problem(index: np.ndarray) -> str | None:
-    """What breaks the packed rule in a decoded index, or None: present chunks first, from byte 0, back to back,
-    each at least its crc32c long; missing ones after them as ``(2**64-1, 2**64-1)``."""
-    n = written_chunks(index)
-    present, absent = index[:n], index[n:]
-    if (absent != MISSING).any():
-        return "a chunk is recorded after a missing one"
-    if n and ((present[:, 1] < CRC_NBYTES).any() or present[0, 0] != 0
-              or (present[1:, 0] != present[:-1, 0] + present[:-1, 1]).any()):
-        return "its chunks do not lie back to back from byte 0"
-    return None
+def index_spans(index: np.ndarray, file_size: int, tensor: TensorSpec) -> np.ndarray:
+    """``(offset, nbytes)`` of each written chunk of a decoded index, once it is found to describe its file:
+    dense (an uncompressed tensor, section 5) or packed (compressed, section 5b), ending where the index starts;
+    else :class:`CorruptDataError` saying what is wrong."""
+    written = written_chunks(index)
+    present, absent = index[:written], index[written:]
+    if tensor.compression is None:
+        dense = [encoded_chunk_nbytes(tensor)] * written
+        if encode_index(dense, len(index))[:-CRC_NBYTES] != index.tobytes():
+            raise CorruptDataError("shard index does not describe a dense shard (docs/format.md section 5)")
+    elif (absent != MISSING).any():
+        raise CorruptDataError("shard index: a chunk is recorded after a missing one (docs/format.md section 5b)")
+    elif written and ((present[:, 1] < CRC_NBYTES).any() or present[0, 0] != 0
+                      or (present[1:, 0] != present[:-1, 0] + present[:-1, 1]).any()):
+        raise CorruptDataError("shard index: its chunks do not lie back to back from byte 0 (docs/format.md "
+                               "section 5b)")
+    implied = (int(present[-1].sum()) if written else 0) + index_nbytes(len(index))
+    if file_size != implied:
+        raise CorruptDataError(f"file is {file_size} bytes, its index implies {implied} (truncated?)")
+    return present
 
 
 def decode_index(data: bytes, num_chunks: int, *, where: str) -> np.ndarray:
@@ -213,21 +218,23 @@ class ChunkRun:
         return out
 
 
-def chunk_runs(spec: StoreSpec, tensor: TensorSpec, indexes: Sequence[np.ndarray], token_offset: int,
-               num_tokens: int, *, where: Sequence[str]) -> list[ChunkRun]:
+def chunk_runs(spec: StoreSpec, tensor: TensorSpec, spans: Callable[[int], np.ndarray], token_offset: int,
+               num_tokens: int, describe: Callable[[int], str]) -> list[ChunkRun]:
     """The chunks holding tokens ``[token_offset, token_offset + num_tokens)`` of a compressed array, one run per
-    shard touched; ``indexes`` are those shards' decoded indexes, in order (``where`` names them for errors)."""
+    shard touched; ``spans(shard)`` gives a shard's written chunks (:func:`index_spans`), ``describe(shard)`` names
+    its file for errors."""
     ct, row, per_shard = tensor.chunk_tokens, tensor.row_nbytes, spec.shard_tokens
     runs, t, end = [], token_offset, token_offset + num_tokens
-    for index, name in zip(indexes, where):
+    while t < end:
         shard = t // per_shard
         local, local_end = t - shard * per_shard, min(end, (shard + 1) * per_shard) - shard * per_shard
         first, last = local // ct, (local_end - 1) // ct
-        if last >= written_chunks(index):
-            raise CorruptDataError(f"{name}: chunk {last} is not in the shard's index (it records "
-                                   f"{written_chunks(index)} chunks)")
-        sizes = tuple(int(n) for n in index[first : last + 1, 1])
-        runs.append(ChunkRun(shard, int(index[first, 0]), sizes, (local - first * ct) * row, (local_end - local) * row))
+        present = spans(shard)
+        if last >= len(present):
+            raise CorruptDataError(f"{describe(shard)}: chunk {last} is not in the shard's index (it records "
+                                   f"{len(present)} chunks)")
+        sizes = tuple(int(n) for n in present[first : last + 1, 1])
+        runs.append(ChunkRun(shard, int(present[first, 0]), sizes, (local - first * ct) * row, (local_end - local) * row))
         t = shard * per_shard + local_end
     return runs
 
@@ -237,7 +244,6 @@ def decode_run(data: memoryview, run: ChunkRun, tensor: TensorSpec, codec, desti
     """Check each chunk's crc32c in ``data`` (the run's bytes as they lie in the file), decompress it and copy
     the range's payload into ``destination``."""
     chunk_nbytes, skip, out, position = tensor.chunk_nbytes, run.skip, destination, 0
-    scratch = None
     for k, encoded in enumerate(run.sizes):
         piece = data[position : position + encoded - CRC_NBYTES]
         (stored,) = struct.unpack("<I", data[position + encoded - CRC_NBYTES : position + encoded])
@@ -246,8 +252,7 @@ def decode_run(data: memoryview, run: ChunkRun, tensor: TensorSpec, codec, desti
                                    f"computed {crc32c(piece):#010x})")
         take = min(out.nbytes, chunk_nbytes - skip)
         whole = skip == 0 and take == chunk_nbytes
-        if not whole and scratch is None:
-            scratch = memoryview(bytearray(chunk_nbytes))
+        scratch = None if whole else _scratch(chunk_nbytes)
         try:
             decode_into(codec, piece, out[:take] if whole else scratch)
         except ValueError as e:
@@ -255,6 +260,17 @@ def decode_run(data: memoryview, run: ChunkRun, tensor: TensorSpec, codec, desti
         if not whole:
             out[:take] = scratch[skip : skip + take]
         out, skip, position = out[take:], 0, position + encoded
+
+
+_SCRATCH = threading.local()  # each reading thread's buffer for the chunks a range covers only in part
+
+
+def _scratch(nbytes: int) -> memoryview:
+    """This thread's scratch buffer of ``nbytes`` (kept and reused: a fresh one pays its page faults per read)."""
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _SCRATCH.buffer = bytearray(nbytes)
+    return memoryview(buffer)[:nbytes]
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from .layout import (MANIFESTS, PARTS, array_document, array_node, group_documen
 from .masks import MASKS
 from .removals import REMOVALS
 from .compression import decode_into
-from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, dense_sizes, encode_index, encoded_chunk_nbytes,
-                    index_nbytes, packed_index_problem, token_ranges, written_chunks)
+from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, encoded_chunk_nbytes, index_nbytes, index_spans,
+                    token_ranges)
 from .spec import HIDDEN_TENSORS, TENSOR_NAMES, StoreSpec, TensorSpec
 from .storage import Storage
 
@@ -455,7 +455,7 @@ class _StreamCheck:
         except (CorruptDataError, OSError) as e:
             return self._fail_rows(base, base + st, "unreadable", str(e), key)
         try:
-            spans = self._spans(decode_index(raw_index, per_shard, where="shard index"), size)
+            spans = index_spans(decode_index(raw_index, per_shard, where="shard index"), size, self.tensor)
         except CorruptDataError as e:
             self._add("index", str(e), key, samples=[r.sample_id for r in self._rows_in(base, base + st)])
             if self._codec is not None:
@@ -489,21 +489,6 @@ class _StreamCheck:
             affected = {r.sample_id: r for j, _ in undecodable for r in self._rows_in(base + j * ct, base + (j + 1) * ct)}
             self._add("checksum", f"chunk {j} does not decompress: {why}{more}", key,
                       (int(spans[j, 0]), int(spans[j].sum())), list(affected))
-
-    def _spans(self, index: np.ndarray, size: int) -> np.ndarray:
-        """``(offset, nbytes)`` of each written chunk, once the index is found to describe the file: dense
-        (uncompressed) or packed (compressed), and ending where the index starts."""
-        written = written_chunks(index)
-        if self._codec is None:
-            if encode_index(dense_sizes(self.tensor, written), len(index))[:-CRC_NBYTES] != index.tobytes():
-                raise CorruptDataError("shard index does not describe a dense shard (docs/format.md section 5)")
-        elif (problem := packed_index_problem(index)) is not None:
-            raise CorruptDataError(f"shard index does not describe a packed shard: {problem} (docs/format.md "
-                                   "section 5)")
-        implied = (int(index[written - 1].sum()) if written else 0) + index_nbytes(len(index))
-        if size != implied:
-            raise CorruptDataError(f"file is {size} bytes, its index implies {implied} (truncated?)")
-        return index[:written]
 
     def _blocks(self, key: str, spans: np.ndarray, first: int, end: int) -> Iterator[tuple[int, int, bytes]]:
         """Chunks ``[first, end)`` as ``(a, b, bytes of chunks [a, b))`` blocks, the next block read while the
