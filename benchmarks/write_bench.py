@@ -12,7 +12,10 @@ The bar is hsdata against the best raw mode of the same round.
 With ``--writers N`` (N > 1) the same bytes are split over N processes: N hsdata writers joining one store
 against N raw processes (each raw process writes its share in the best single-process raw layout of that
 round's raw passes: one stream, or one file per tensor on threads). Processes build their samples first, wait
-on a barrier, and the time is from the barrier to the last process done.
+on a barrier, and the time is from the barrier to the last process done. Every process first writes two
+16-token samples the same way, untimed, as the single-writer passes run in a process that already wrote: a
+writer lives for hours, so its first use in a process (imports, thread start-up) is not the write path. Variant
+``cold`` (N > 1 only) skips that for hsdata, to show what it costs.
 
     python benchmarks/write_bench.py --dir /tmp/hswrite --gib 2
     python benchmarks/write_bench.py --dir /mnt/nvme/hswrite --gib 8 --hidden 4096 7168 --writers 1 2 4 \
@@ -39,6 +42,7 @@ import hsdata.storage
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
 COMPRESSED = ("zstd", "lz4")  # variants writing a compressed store (hsdata.create(..., compression=...))
 COMPRESSED_METHODS = tuple(f"hsdata {name}" for name in COMPRESSED)
+WARM_UP_LENGTHS = [16, 16]  # samples each process (and the single-writer driver) writes before it is timed
 
 # sample-length mixes: (name, draw(rng) -> tokens)
 MIXES = {
@@ -184,14 +188,18 @@ def _worker(method: str, directory: str, lengths, hidden, layers, seed, values, 
     samples = make_samples(lengths, hidden, layers, seed + 1000 * (rank + 1), values)
     if method.startswith("hsdata"):
         package = hsdata_module(method, before)
-        run = lambda: write_hsdata(directory, samples, hidden, layers, prefix=f"w{rank}-", package=package,
-                                   method=method)
+        write = lambda into, some: write_hsdata(into, some, hidden, layers, prefix=f"w{rank}-", package=package,
+                                                method=method)
     else:
-        own = os.path.join(directory, f"w{rank}")
-        run = lambda: (raw_seq if method == "raw seq" else raw_par)(own, samples)
+        write = lambda into, some: (raw_seq if method == "raw seq" else raw_par)(os.path.join(into, f"w{rank}"),
+                                                                               some)
+    if method != "hsdata cold":  # a writer lives for hours: its first use in a process (imports, threads) is
+        warm = f"{directory}.warm{rank}"  # paid before the barrier, as the single-writer passes have it paid
+        write(warm, make_samples(WARM_UP_LENGTHS, hidden, layers, seed, values))
+        shutil.rmtree(warm)
     barrier.wait()
     started = time.time()
-    run()
+    write(directory, samples)
     results.put((rank, started, time.time()))
 
 
@@ -239,6 +247,11 @@ def measure(args, mix: str, hidden: int, writers: int) -> dict:
     clear(scratch)
     drop_caches()
     run["raw par"]()  # untimed: the first pass after a large delete is often slow on a discard-mounted disk
+    if writers == 1:  # each writer's first use in this process, untimed (as in each process of N, _worker)
+        for m in methods[2:]:
+            write_hsdata(scratch + ".warm", make_samples(WARM_UP_LENGTHS, hidden, args.layers, args.seed, args.values),
+                         hidden, args.layers, package=hsdata_module(m, args.before), method=m)
+            shutil.rmtree(scratch + ".warm")
     for r in range(args.repeat):
         order = methods[r % len(methods):] + methods[: r % len(methods)]
         for m in order:
@@ -293,14 +306,17 @@ def main() -> None:
                         "'hsdata before' (git archive HEAD hsdata | tar -x -C DIR; mv DIR/hsdata DIR/hsdata_old)")
     parser.add_argument("--values", choices=["bits", "normal"], default="bits",
                         help="sample values: random bit patterns (incompressible), or N(0, 1) in bf16 (make_samples)")
-    parser.add_argument("--variants", nargs="*", default=[], choices=["no-wb", "wb-8", "wb-128", "wb-512",
+    parser.add_argument("--variants", nargs="*", default=[], choices=["no-wb", "wb-8", "wb-128", "wb-512", "cold",
                                                                       *COMPRESSED],
                         help="ablations: no-wb = without early writeback (sync_file_range), wb-N = started every "
-                        "N MiB (default 32); zstd, lz4 = a compressed store (with --values normal)")
+                        "N MiB (default 32); zstd, lz4 = a compressed store (with --values normal); cold = each "
+                        "writer process times its first use (--writers N > 1 only)")
     parser.add_argument("--json", help="also write results here")
     args = parser.parse_args()
     if os.geteuid() != 0:
         parser.error("cold passes drop the page cache: run as root")
+    if "cold" in args.variants and 1 in args.writers:
+        parser.error("variant cold times a fresh writer process: use it with --writers N > 1 only")
     if os.path.realpath(args.dir).startswith("/dev/shm"):
         parser.error("--dir must be on the disk to measure, not tmpfs")
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -18,57 +18,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .arrow import array_of, arrow_of, numpy_of
+
 _SEED = int.from_bytes(os.urandom(8), "little")
 _M1, _M2, _MASK = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, (1 << 64) - 1
 ITER_BATCH = 65536  # ids converted to str at a time when a SampleIds is iterated
-
-
-# pyarrow's to_numpy() and pa.array() import pandas the first time (about a second of a process's first open,
-# more than the rest of it), so the open path goes through these, over the Arrow buffers.
-
-def numpy_of(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """A column of integers, timestamps (as int64) or bools, without nulls, as one numpy array (read-only when it
-    is a view of a single chunk)."""
-    chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
-    kind = values.type
-    if pa.types.is_boolean(kind):
-        pieces = [np.unpackbits(np.frombuffer(c.buffers()[1], np.uint8), bitorder="little")[c.offset: c.offset + len(c)]
-                  .view(bool) for c in chunks if len(c)]
-        dtype = np.dtype(bool)
-    else:
-        if pa.types.is_timestamp(kind) or pa.types.is_integer(kind):
-            unsigned = pa.types.is_unsigned_integer(kind)
-            dtype = np.dtype(f"<{'u' if unsigned else 'i'}{kind.bit_width // 8}")
-        else:
-            raise TypeError(f"numpy_of takes integer, timestamp or bool columns, got {kind}")
-        pieces = [np.frombuffer(c.buffers()[1], dtype, len(c), c.offset * dtype.itemsize) for c in chunks if len(c)]
-    if any(c.null_count for c in chunks):
-        raise ValueError("the column holds nulls")
-    if len(pieces) == 1:
-        return pieces[0]
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
-
-
-def valid_of(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """Which entries are not null, as a numpy bool array."""
-    chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
-    pieces = []
-    for c in chunks:
-        if not c.null_count or c.buffers()[0] is None:
-            pieces.append(np.full(len(c), c.null_count == 0))
-        else:
-            bits = np.unpackbits(np.frombuffer(c.buffers()[0], np.uint8), bitorder="little")
-            pieces.append(bits[c.offset: c.offset + len(c)].view(bool))
-    return np.concatenate(pieces) if pieces else np.zeros(0, bool)
-
-
-def arrow_of(values: np.ndarray) -> pa.Array:
-    """An int64 or bool numpy array as an Arrow array (for ``take`` and ``filter``), without ``pa.array``."""
-    if values.dtype == bool:
-        bits = np.packbits(values, bitorder="little")
-        return pa.Array.from_buffers(pa.bool_(), len(values), [None, pa.py_buffer(bits)])
-    values = np.ascontiguousarray(values, dtype=np.int64)
-    return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(values)])
 
 
 def as_array(ids: pa.Array | pa.ChunkedArray) -> pa.ChunkedArray:
@@ -223,7 +177,7 @@ class IdIndex:
         keys = self._keys
         if not len(wanted) or not len(keys):
             return out
-        needles = pa.array(clean, self._ids.type)
+        needles = array_of(clean, self._ids.type)
         bits = np.uint64(self._bits)
         prefixes = hash_ids(needles) >> bits
         j = np.searchsorted(keys, prefixes << bits)

@@ -14,7 +14,8 @@ import xxhash
 
 from . import tables
 from .errors import CorruptDataError
-from .ids import arrow_of, collision_candidates, hash_ids, numpy_of, valid_of
+from .arrow import arrow_of, numpy_of, table_of, valid_of
+from .ids import collision_candidates, hash_ids
 from .layout import MANIFESTS
 from .spec import TENSOR_NAMES
 from .storage import Storage
@@ -71,7 +72,7 @@ def write(storage: Storage, part: str, seq: int, rows: list[Row]) -> str:
         "created": [r.created for r in rows],
         "meta": [r.meta for r in rows],
     }
-    return tables.write(storage, MANIFESTS, part, seq, pa.table(columns, schema=SCHEMA))
+    return tables.write(storage, MANIFESTS, part, seq, table_of(columns, SCHEMA))
 
 
 def list_files(storage: Storage) -> list[str]:
@@ -151,7 +152,7 @@ def now() -> datetime:
 
 def row_hashes(table: pa.Table) -> dict[str, np.ndarray]:
     """Hash columns as uint64 arrays (a missing loss mask's null reads 0: see :func:`has_loss_mask`)."""
-    return {t: table.column(hash_column(t)).fill_null(0).to_numpy() for t in TENSOR_NAMES}
+    return {t: numpy_of(table.column(hash_column(t)), null_as=0) for t in TENSOR_NAMES}
 
 
 def has_loss_mask(table: pa.Table) -> np.ndarray:

@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import removals, tables
-from .ids import IdIndex, arrow_of, numpy_of
+from .arrow import array_of, arrow_of, numpy_of, table_of
+from .ids import IdIndex
 from .storage import Storage
 
 MASKS = "masks"
@@ -36,7 +37,7 @@ class Entry:
 def write(storage: Storage, masks: dict[str, bytes]) -> str:
     """Commit ``{sample_id: one byte per token}`` as one atomic, write-once file; returns its key."""
     writer = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
-    table = pa.table({"sample_id": list(masks), "loss_mask": list(masks.values())}, schema=SCHEMA)
+    table = table_of({"sample_id": list(masks), "loss_mask": list(masks.values())}, SCHEMA)
     return tables.write(storage, MASKS, writer, 0, table)
 
 
@@ -80,7 +81,7 @@ def load_lookup(storage: Storage, removed: frozenset[tuple[str, str]] | None = N
     removed = removals.load(storage).masks if removed is None else removed
     ids, values = table.column("sample_id"), table.column("loss_mask")
     if removed and len(table):
-        named = pa.array(sorted({sample_id for sample_id, _ in removed}), pa.string())
+        named = array_of(sorted({sample_id for sample_id, _ in removed}), pa.string())
         maybe = np.flatnonzero(numpy_of(pc.is_in(ids, value_set=named)))
         if len(maybe):
             files = [name for name, _ in counts]

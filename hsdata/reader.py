@@ -19,7 +19,8 @@ from . import manifest, masks, removals, sampling
 from .buffers import BufferPool
 from .cache import RangeCache
 from .errors import CorruptDataError
-from .ids import IdIndex, SampleIds, arrow_of, numpy_of, sorted_keys
+from .arrow import arrow_of, numpy_of
+from .ids import IdIndex, SampleIds, sorted_keys
 from .layout import (MAX_METADATA_BYTES, array_node, load_part_provenance, load_root, metadata_key, parse_document,
                      read_document, shard_key)
 from .pool import ProcessLocalPool

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from . import tables
 from .errors import CorruptDataError
-from .ids import arrow_of, numpy_of, valid_of
+from .arrow import array_of, arrow_of, numpy_of, table_of, valid_of
 from .storage import Storage
 
 REMOVALS = "removals"
@@ -43,7 +43,7 @@ class Removals:
         if not self.rows or not len(rows):
             return rows
         # vectorized: only rows whose id some removal names are compared as (id, part, offset) tuples
-        named = pa.array(sorted({sample_id for sample_id, _, _ in self.rows}), pa.string())
+        named = array_of(sorted({sample_id for sample_id, _, _ in self.rows}), pa.string())
         maybe = np.flatnonzero(numpy_of(pc.is_in(rows.column("sample_id"), value_set=named)))
         if not len(maybe):
             return rows
@@ -66,9 +66,9 @@ def write(storage: Storage, *, rows: list[tuple[str, str, int]] = (), masks: lis
     if not entries:
         return None
     created = datetime.now(timezone.utc)
-    table = pa.table({"sample_id": [e[0] for e in entries], "part": [e[1] for e in entries],
+    table = table_of({"sample_id": [e[0] for e in entries], "part": [e[1] for e in entries],
                       "token_offset": [e[2] for e in entries], "mask_file": [e[3] for e in entries],
-                      "reason": [reason] * len(entries), "created": [created] * len(entries)}, schema=SCHEMA)
+                      "reason": [reason] * len(entries), "created": [created] * len(entries)}, SCHEMA)
     writer = f"{created:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
     return tables.write(storage, REMOVALS, writer, 0, table)
 

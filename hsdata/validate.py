@@ -24,6 +24,7 @@ import pyarrow as pa
 from crc32c import crc32c
 
 from . import manifest, masks, removals, tables
+from .arrow import array_of
 from .errors import CorruptDataError
 from .layout import (MANIFESTS, PARTS, array_document, array_node, group_document, load_spec, metadata_key,
                      part_node, read_document, shard_key)
@@ -196,7 +197,7 @@ def _load_rows(storage: Storage, report: Report) -> _Rows:
         except (CorruptDataError, OSError) as e:
             report.problems.append(Problem("manifest", str(e), key=key))
             continue
-        decoded.append(table.append_column("manifest", pa.array([key] * len(table), pa.string())))
+        decoded.append(table.append_column("manifest", array_of([key] * len(table), pa.string())))
     rows = pa.concat_tables(decoded) if decoded else manifest.SCHEMA.append(
         pa.field("manifest", pa.string())).empty_table()
     try:
