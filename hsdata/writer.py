@@ -51,6 +51,11 @@ def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None 
     (dumps imported as they are). ``compression``: how the hidden states' chunks are compressed on disk (None,
     ``"zstd"``, ``"lz4"`` or a :class:`hsdata.Compression`; docs/format.md section 5a says what it costs); a
     writer joining a store with None takes the store's.
+
+    Memory: ``add`` returns once the sample is queued, and blocks while the queued samples not yet written hold
+    more than ``max_pending_bytes`` (1 GiB). A compressed writer also holds, per hidden tensor, up to
+    ``2 * COMPRESS_THREADS + 2`` chunks being compressed and their encoded bytes (measured at H = 7168: 418 MiB
+    on 16 threads, 102 MiB on 2; an uncompressed writer 11 MiB beyond the queued samples).
     """
     if max_pending_bytes <= 0:
         raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
