@@ -260,7 +260,7 @@ class Store:
                              buffer[start : start + r.nbytes])
                 if codec is not None:
                     read.tensor, read.codec = tensor, codec
-                    read.encoded = memoryview(bytearray(r.file_end - r.file_start))
+                    read.encoded = memoryview(self._buffers.take(r.file_end - r.file_start).numpy())
                 plan.reads.append(read)
                 start += r.nbytes
         return plan
@@ -430,7 +430,7 @@ class _Read:
     destination: memoryview
     tensor: TensorSpec | None = None  # of a compressed range: its chunks are read into ``encoded``, then decoded
     codec: Any = None
-    encoded: memoryview | None = None
+    encoded: memoryview | None = None  # a pooled buffer, back in the pool once decoded (read.encoded = None)
 
 
 def _iov(read: _Read) -> list:
