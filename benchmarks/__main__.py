@@ -113,7 +113,8 @@ def run(bench: Bench, size: str, scratch_root: str, results_dir: str, facts: dic
     scratch = os.path.join(scratch_root, bench.name)
     result_path = os.path.join(results_dir, f"{bench.name}.json")
     shown = shlex.join(command_line(bench, size, scratch, python="python"))
-    record = {"name": bench.name, "what": bench.what, "command": shown, "size": size, "machine": machine_line(facts)}
+    record = {"name": bench.name, "what": bench.what, "command": shown, "size": size, "machine": machine_line(facts),
+              "commit": facts.get("commit"), "utc": facts.get("utc")}
     if bench.gpu and facts["gpu"] is None:
         return {**record, "status": "skipped: needs a CUDA GPU, none here"}
     shutil.rmtree(scratch, ignore_errors=True)
@@ -150,8 +151,14 @@ def section(record: dict) -> str:
     module = importlib.import_module(os.path.splitext(BY_NAME[record["name"]].script)[0])
     render = getattr(module, "markdown", None)
     lines += [render(record["result"]) if render else generic_markdown(record["result"]), "",
-              f"(size {record['size']}, {record['seconds']:.0f} s on {record['machine']})", ""]
+              f"(size {record['size']}, {record['seconds']:.0f} s on {record['machine']}{_when(record)})", ""]
     return "\n".join(lines)
+
+
+def _when(record: dict) -> str:
+    """``, commit C, D UTC`` for a record that has them (a section may be rerun alone, at a later commit)."""
+    return "".join(f", {label}{record[key]}{suffix}" for key, label, suffix in
+                   (("commit", "commit ", ""), ("utc", "", " UTC")) if record.get(key))
 
 
 def generic_markdown(result: dict) -> str:
@@ -212,7 +219,8 @@ def suite_header(size: str, facts: dict) -> str:
             f"{facts['commit']}: "
             f"{facts['cpus']} CPUs, {facts['memory_gib']} GiB, GPU {gpu}, Python {facts['python']}, torch "
             f"{facts['torch']}, zarr {facts['zarr']}; {facts['platform']}. Every ratio is against a baseline "
-            f"measured in the same run; each section's command runs it alone.\n")
+            f"measured in the same run; each section's command runs it alone, and a section rerun alone (`--only`) "
+            f"names its own commit and time under its table.\n")
 
 
 def main(argv: list[str] | None = None) -> int:
