@@ -419,6 +419,7 @@ class _StreamCheck:
         self._bad_values: list[str] = []  # samples whose values are out of range, and the first such value
         self._bad_value: int | None = None
         self._codec = tensor.compression.codec(tensor.itemsize) if tensor.compression is not None else None
+        self._chunk: memoryview | None = None  # a compressed chunk's payload, decoded (_decompressed)
         self._limit = (2 if tensor.name == "loss_mask" else spec.vocab_size if tensor.name == "input_ids" and
                        spec.vocab_size is not None else None)  # values must be >= 0 and < this
 
@@ -537,14 +538,21 @@ class _StreamCheck:
 
     def _decompressed(self, data: memoryview, intact: bool) -> tuple[memoryview, str | None]:
         """A compressed chunk's payload (zeros if it fails its crc32c or does not decompress), and why it does
-        not decompress (None: it does, or its crc32c failed and it was not tried)."""
-        out = memoryview(bytearray(self.tensor.chunk_nbytes))
-        if intact:
-            try:
-                decode_into(self._codec, data, out)
-            except ValueError as e:
-                return memoryview(bytearray(self.tensor.chunk_nbytes)), str(e)
-        return out, None
+        not decompress (None: it does, or its crc32c failed and it was not tried). The payload is this checker's
+        one chunk buffer, valid until the next call (a fresh one per chunk paid its page faults)."""
+        if self._chunk is None:
+            self._chunk = memoryview(bytearray(self.tensor.chunk_nbytes))
+        if not intact:
+            return self._zeros(), None
+        try:
+            decode_into(self._codec, data, self._chunk)
+        except ValueError as e:
+            return self._zeros(), str(e)
+        return self._chunk, None
+
+    def _zeros(self) -> memoryview:
+        self._chunk[:] = bytes(self.tensor.chunk_nbytes)
+        return self._chunk
 
     def _feed(self, data: memoryview, t0: int, t1: int) -> None:
         """Hash (and range-check) the selected rows' bytes of chunk tokens ``[t0, t1)``; finish rows ending in it."""
