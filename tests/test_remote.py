@@ -44,7 +44,11 @@ def s3():
     endpoint = f"http://{host}:{port}"
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket=BUCKET)
-    yield {"options": {"endpoint_url": endpoint}, "client": client}
+    # The credentials travel in the options too: a forkserver started earlier in the session (another test
+    # module's DataLoader) hands its workers the environment of that moment, without these variables.
+    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
+               "client_kwargs": {"region_name": "us-east-1"}}
+    yield {"options": options, "client": client}
     server.stop()
 
 
