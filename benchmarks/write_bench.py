@@ -28,6 +28,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import statistics
 import threading
@@ -181,6 +182,12 @@ def clear(path: str) -> None:
     os.sync()
 
 
+def warm_up(write, directory: str, hidden: int, layers: int, seed: int, values: str) -> None:
+    """A writer lives for hours: its first use in a process (imports, threads) is not the write path."""
+    write(directory, make_samples(WARM_UP_LENGTHS, hidden, layers, seed, values))
+    shutil.rmtree(directory)
+
+
 # ---- N processes ------------------------------------------------------------------------------------------
 
 def _worker(method: str, directory: str, lengths, hidden, layers, seed, values, rank, barrier, results,
@@ -193,10 +200,8 @@ def _worker(method: str, directory: str, lengths, hidden, layers, seed, values, 
     else:
         write = lambda into, some: (raw_seq if method == "raw seq" else raw_par)(os.path.join(into, f"w{rank}"),
                                                                                some)
-    if method != "hsdata cold":  # a writer lives for hours: its first use in a process (imports, threads) is
-        warm = f"{directory}.warm{rank}"  # paid before the barrier, as the single-writer passes have it paid
-        write(warm, make_samples(WARM_UP_LENGTHS, hidden, layers, seed, values))
-        shutil.rmtree(warm)
+    if method != "hsdata cold":  # paid before the barrier, as the single-writer passes have it paid
+        warm_up(write, f"{directory}.warm{rank}", hidden, layers, seed, values)
     barrier.wait()
     started = time.time()
     write(directory, samples)
@@ -212,7 +217,16 @@ def run_processes(method: str, directory: str, shares: list[list[int]], hidden: 
                                                barrier, results, before)) for rank, lengths in enumerate(shares)]
     for p in procs:
         p.start()
-    got = [results.get() for _ in procs]
+    got = []
+    while len(got) < len(procs):  # a worker that dies leaves the others at the barrier: stop them all
+        try:
+            got.append(results.get(timeout=1))
+        except queue.Empty:
+            failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode]
+            if failed:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{method}: writer process {failed[0][0]} exited with code {failed[0][1]}")
     for p in procs:
         p.join()
         if p.exitcode:
@@ -226,6 +240,9 @@ def measure(args, mix: str, hidden: int, writers: int) -> dict:
     token_bytes = 2 * hidden * (args.layers + 1) + 5
     budget = int(args.gib * 2**30 / token_bytes)
     lengths = make_lengths(mix, budget, args.seed)
+    if len(lengths) < writers:
+        raise SystemExit(f"write_bench: the {mix} mix at --gib {args.gib} is {len(lengths)} sample(s), fewer than "
+                         f"{writers} writers: raise --gib")
     scratch = os.path.join(args.dir, "out")
     methods = ["raw seq", "raw par", "hsdata"] + (["hsdata before"] if args.before else []) + \
         [f"hsdata {v}" for v in args.variants]
@@ -249,9 +266,9 @@ def measure(args, mix: str, hidden: int, writers: int) -> dict:
     run["raw par"]()  # untimed: the first pass after a large delete is often slow on a discard-mounted disk
     if writers == 1:  # each writer's first use in this process, untimed (as in each process of N, _worker)
         for m in methods[2:]:
-            write_hsdata(scratch + ".warm", make_samples(WARM_UP_LENGTHS, hidden, args.layers, args.seed, args.values),
-                         hidden, args.layers, package=hsdata_module(m, args.before), method=m)
-            shutil.rmtree(scratch + ".warm")
+            write = lambda into, some, m=m: write_hsdata(into, some, hidden, args.layers,
+                                                         package=hsdata_module(m, args.before), method=m)
+            warm_up(write, scratch + ".warm", hidden, args.layers, args.seed, args.values)
     for r in range(args.repeat):
         order = methods[r % len(methods):] + methods[: r % len(methods)]
         for m in order:
