@@ -6,7 +6,7 @@ request that does not fit continues in the next forward (chunked prefill). Atten
 changes no cost that matters here. Modes, interleaved over ``--rounds``:
 
   none    the forwards alone;
-  hsdata  ``hsdata.capture.Capture.add_forward`` for every forward, into a store under ``--store`` (use the local
+  hsdata  ``hsdata.extract.capture.Capture.add_forward`` for every forward, into a store under ``--store`` (use the local
           disk), as the SGLang hook calls it; the time runs until every sample is committed (the drain included);
   raw     the same number of bytes written to the same disk with plain ``write`` calls and one fsync at the end: the
           best of one sequential stream and one file per tensor on four threads (hsdata's layout).
@@ -33,7 +33,7 @@ import torch
 
 import hsdata
 from hook_overhead_bench import AUX_LAYERS, build_model
-from hsdata.capture import Capture, Piece
+from hsdata.extract.capture import Capture, Piece
 
 VOCAB = 128256
 RAW_BLOCK = 64 << 20

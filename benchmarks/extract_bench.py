@@ -1,4 +1,4 @@
-"""In-process extraction throughput on a GPU (needs CUDA): ``hsdata.engine_hf.extract`` with a Llama-3-8B-shaped
+"""In-process extraction throughput on a GPU (needs CUDA): ``hsdata.extract.engine_hf.extract`` with a Llama-3-8B-shaped
 model (random bf16 weights) against the same forwards without capture, in the same run.
 
 The time outside the forward is split into: before the first forward (store creation), the forward loop's excess
@@ -25,8 +25,8 @@ import torch
 
 import hsdata
 from hook_overhead_bench import build_model
-from hsdata import engine_hf
-from hsdata.conversations import Record
+from hsdata.extract import engine_hf
+from hsdata.extract.conversations import Record
 
 
 def main() -> None:

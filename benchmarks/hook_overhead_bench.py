@@ -4,7 +4,7 @@ A transformers Llama model of Llama-3-8B shape (random bf16 weights, SDPA) prefi
 (16K tokens) back to back, in three modes measured in the same run:
   none    no capture;
   naive   the aux layers and the final state copied with a plain ``.cpu()`` after each forward;
-  hsdata  ``hsdata.capture.Capture.add_forward`` (pinned staging on a side stream, a writer thread, a real store).
+  hsdata  ``hsdata.extract.capture.Capture.add_forward`` (pinned staging on a side stream, a writer thread, a real store).
 Throughput is tokens per second over all forwards of a mode, synchronizing once at the end, so a side-stream copy
 overlaps the next forward as it does in a server. The capture's rows are read back from the store at the end and
 compared bit for bit with the GPU's.
@@ -23,7 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hsdata
-from hsdata.capture import Capture, Piece
+from hsdata.extract.capture import Capture, Piece
 
 AUX_LAYERS = [1, 15, 28]  # EAGLE-3's defaults for 32 layers, "output of layer k"
 

@@ -14,11 +14,11 @@ import numpy as np
 import pyarrow.compute as pc
 
 from . import __version__
-from .client import extract_from_server
 from .compression import PRESETS, Compression
-from .conversations import read_jsonl
 from .dtypes import HIDDEN_DTYPES, check_pair
 from .errors import HsdataError
+from .extract.client import extract_from_server
+from .extract.conversations import read_jsonl
 from .layout import check_provenance
 from .progress import Progress, human_bytes, status
 from .repair import remove_loss_masks, remove_samples
@@ -404,7 +404,7 @@ def _extract_from_server(args: argparse.Namespace) -> int:
 
 
 def _extract_in_process(args: argparse.Namespace) -> int:
-    from . import distributed
+    from .extract import distributed
 
     job = distributed.from_environment()
     if job is not None:
@@ -425,7 +425,7 @@ def _extract_rank(args: argparse.Namespace, job) -> int:
     status: a rank that raises reports its error to rank 0 and to torchrun (which names it), then raises it."""
     import socket
 
-    from . import distributed, engine_hf
+    from .extract import distributed, engine_hf
 
     options = _storage_options(args.storage_option)
     distributed.start(job, args.rank_timeout)
@@ -484,7 +484,7 @@ def _run_engine(args: argparse.Namespace, job=None, committed=None):
     the bytes stored per token, and where the model runs."""
     import torch
 
-    from . import demo, distributed, engine_hf
+    from .extract import demo, distributed, engine_hf
 
     store_dtype = args.store_dtype or args.dtype
     check_pair(store_dtype, args.dtype)
@@ -611,7 +611,7 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from .engine_hf import eagle3_layers
+    from .extract.engine_hf import eagle3_layers
     from .formats.importer import run_import
 
     layers, vocab = _model_facts(args.model)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import demo
+from .extract import demo
 from .errors import MissingExtraError
 from .reader import Store, open as open_store
 from .spec import TENSOR_NAMES

@@ -8,7 +8,7 @@ other traffic the server serves, never become samples.
 SGLang's models call ``logits_processor(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)``
 with the final post-norm states and (with ``--enable-return-aux-hidden-states``) the aux layers' states. The hook
 keeps prefill (EXTEND / MIXED) forwards on the attention-TP rank 0 of each scheduler, cuts the packed rows into
-requests and hands them to :class:`hsdata.capture.Capture`, which stores them off the forward's path. Each
+requests and hands them to :class:`hsdata.extract.capture.Capture`, which stores them off the forward's path. Each
 scheduler (each DP rank, each server) writes its own part of the store.
 """
 
@@ -23,10 +23,10 @@ from typing import Any, Callable
 import torch
 
 import hsdata
-from hsdata import capture as capture_module
+from hsdata.extract import capture as capture_module
 from hsdata import compression
-from hsdata.capture import Capture, Piece, vocab_size
-from hsdata.client import RID_PREFIX
+from hsdata.extract.capture import Capture, Piece, vocab_size
+from hsdata.extract.client import RID_PREFIX
 from hsdata.dtypes import hidden_dtype
 from hsdata.layout import check_provenance
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hsdata.client import HOOK_FACTORY
+from hsdata.extract.client import HOOK_FACTORY
 
 STUB = Path(__file__).parent / "sglang_stub"
 AUX_LAYER_IDS = [0, 1, 2]  # Llama family: SGLang captures "output of layer k" for these ids
@@ -31,7 +31,7 @@ def make_model(path: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """A 4-layer Llama (hidden size 64) with random weights from seed 0, saved in ``dtype`` with the demo tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hsdata import demo
+    from hsdata.extract import demo
 
     tokenizer = demo.tokenizer()
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

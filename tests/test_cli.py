@@ -153,7 +153,7 @@ def test_extract_says_what_it_does_and_shows_totals(capsys, tmp_path, monkeypatc
     lines = sys.stderr.getvalue().replace("\r", "\n").splitlines()
     assert lines[:4] == ["training the demo tokenizer ...",
                          "building the demo model (hsdata/demo-llama, random weights) ...",
-                         f"reading data {__import__('hsdata.demo').demo.data_path()} ...",
+                         f"reading data {__import__('hsdata.extract.demo').extract.demo.data_path()} ...",
                          "tokenizing 24 records ..."]
     assert "1.64ktok/1.64ktok" in lines[-1] and "24/24 samples" in lines[-1] and "/s written" in lines[-1]
 

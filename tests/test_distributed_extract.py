@@ -16,14 +16,16 @@ import torch
 
 import hsdata
 from conftest import assert_same
-from hsdata import cli, distributed
+from hsdata import cli
+from hsdata.extract import distributed
 from hsdata.validate import validate
 
 # The hsdata CLI with rank $FAULTY_RANK failing at its third batch (FAULT=raise: an exception; kill: SIGKILL
 # once its first two samples are committed). For these tests only.
 FAULTY = """
 import os, signal, sys, time
-from hsdata import cli, engine_hf
+from hsdata import cli
+from hsdata.extract import engine_hf
 
 if os.environ["RANK"] == os.environ["FAULTY_RANK"]:
     captures, batches, pad_batch = [], [], engine_hf.pad_batch
@@ -186,7 +188,7 @@ def test_device_map_is_refused_without_a_model_folder_gpus_or_accelerate(capsys,
 
     assert run("--device-map", "auto") == (2, "hsdata extract: error: --device-map needs --model, a local model folder")
     (tmp_path / "model").mkdir()
-    folder = ("--model", str(tmp_path / "model"), "--data", __import__("hsdata.demo").demo.data_path())
+    folder = ("--model", str(tmp_path / "model"), "--data", __import__("hsdata.extract.demo").extract.demo.data_path())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, err = run(*folder, "--device-map", "auto")
     assert code == 2 and err.startswith("hsdata extract: error: --device-map auto spreads the model over this "

@@ -11,8 +11,8 @@ import torch
 
 import hsdata
 from conftest import assert_same
-from hsdata import demo, engine_hf
-from hsdata.conversations import read_jsonl, tokenize
+from hsdata.extract import demo, engine_hf
+from hsdata.extract.conversations import read_jsonl, tokenize
 from hsdata.validate import validate
 
 

@@ -21,8 +21,8 @@ from transformers import PreTrainedTokenizerFast
 
 import hsdata
 from conftest import AUX, HIDDEN
-from hsdata.client import HOOK_FACTORY, RID_PREFIX
-from hsdata.conversations import parse_record, tokenize
+from hsdata.extract.client import HOOK_FACTORY, RID_PREFIX
+from hsdata.extract.conversations import parse_record, tokenize
 from hsdata.validate import validate
 from test_server_hook import hooked_model
 

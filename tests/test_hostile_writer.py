@@ -14,8 +14,8 @@ import torch
 import hsdata
 from conftest import SMALL_LAYOUT, SPEC, assert_same, make_sample
 from hsdata import masks, removals
-from hsdata.client import HOOK_FACTORY, extract_from_server
-from hsdata.conversations import Record
+from hsdata.extract.client import HOOK_FACTORY, extract_from_server
+from hsdata.extract.conversations import Record
 from hsdata.inputs import MAX_META_BYTES, MAX_SAMPLE_ID_BYTES
 from hsdata.storage import Storage
 

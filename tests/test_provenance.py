@@ -18,7 +18,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 import hsdata
 import hsdata.validate
 from conftest import AUX, SMALL_LAYOUT, SPEC, make_sample, write_store
-from hsdata import demo
+from hsdata.extract import demo
 from hsdata.layout import MAX_PROVENANCE_BYTES, MAX_PROVENANCE_DEPTH
 from server_hook.sglang import HookConfig
 from test_cli import run_main

@@ -17,7 +17,7 @@ from sglang.srt.runtime_context import get_parallel
 
 import hsdata
 from conftest import AUX, HIDDEN, assert_same, make_sample
-from hsdata.client import RID_PREFIX
+from hsdata.extract.client import RID_PREFIX
 from hsdata.validate import validate
 from server_hook.sglang import HookConfig, PrefillHook
 
@@ -157,7 +157,7 @@ def test_a_retracted_request_prefilled_again_is_stored_once(tmp_path):
 def test_a_prefix_cache_hit_is_refused_with_one_warning(tmp_path, caplog):
     prompts = {"cached-1": make_sample(50, 7), "cached-2": make_sample(50, 8), "fine": make_sample(20, 9)}
     model, hook = hooked_model(tmp_path / "store")
-    with caplog.at_level(logging.WARNING, logger="hsdata.capture"):
+    with caplog.at_level(logging.WARNING, logger="hsdata.extract.capture"):
         forward(model, ForwardMode.EXTEND, [("cached-1", 16, 34), ("fine", 0, 20), ("cached-2", 32, 18)], prompts)
     hook.close()
     warnings = [r.getMessage() for r in caplog.records if "radix-cache" in r.getMessage()]

@@ -18,8 +18,8 @@ import torch
 from sglang_server import AUX_LAYER_IDS, Server, make_model
 
 import hsdata
-from hsdata import demo
-from hsdata.client import RID_PREFIX
+from hsdata.extract import demo
+from hsdata.extract.client import RID_PREFIX
 from hsdata.validate import validate
 
 REPEATS = 3  # the demo conversations, each under REPEATS ids: 72 samples of 30-110 tokens

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoTokenizer
 
 import hsdata
-from hsdata import demo, show
+from hsdata import show
+from hsdata.extract import demo
 from hsdata.cli import main
 
 H = 32

@@ -23,12 +23,12 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from . import manifest, masks
+from .. import manifest, masks
+from ..errors import NotAStoreError, ServerCheckError
+from ..reader import open as open_store
+from ..repair import add_loss_masks
+from ..storage import Storage
 from .conversations import Record, tokenize
-from .errors import NotAStoreError, ServerCheckError
-from .reader import open as open_store
-from .repair import add_loss_masks
-from .storage import Storage
 
 BATCH = 256  # records tokenized, masked and sent together
 RID_PREFIX = "hsdata:"  # the hook stores a request only if its rid starts with the hook config's rid_prefix

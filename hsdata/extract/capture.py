@@ -20,10 +20,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .errors import InvalidSampleError
-from .writer import Writer
+from ..errors import InvalidSampleError
+from ..writer import Writer
 
-log = logging.getLogger("hsdata.capture")
+log = logging.getLogger("hsdata.extract.capture")
 
 RADIX_CACHE_FIX = ("its hidden states were never computed: run the server with --disable-radix-cache, or send "
                    "each request a unique cache_salt")
@@ -340,7 +340,7 @@ class Capture:
 def provenance(engine: str, engine_version: str) -> dict[str, str]:
     """What every extraction records in the store's provenance: the engine and its version, torch's and hsdata's
     versions, when (UTC) and on which host."""
-    from . import __version__
+    from .. import __version__
 
     return {"engine": engine, "engine_version": engine_version, "torch_version": torch.__version__,
             "hsdata_version": __version__, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

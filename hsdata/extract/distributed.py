@@ -139,7 +139,7 @@ def device(requested: str, rank: Rank | None) -> str:
 def device_map(rank: Rank | None) -> dict[str, Any]:
     """``from_pretrained`` options spreading one model over this node's GPUs (accelerate's ``device_map="auto"``);
     with several ranks on the node, each rank gets its own block of ``GPUs // LOCAL_WORLD_SIZE`` GPUs."""
-    from .errors import MissingExtraError
+    from ..errors import MissingExtraError
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:

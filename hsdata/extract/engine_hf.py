@@ -1,7 +1,7 @@
 """``hsdata extract --engine hf``: run a transformers causal LM in-process and store its prefill hidden states.
 
 Forward hooks on the decoder layers (aux: "output of layer k") and on the final norm (post-norm final state)
-feed the same :class:`hsdata.capture.Capture` path as the SGLang hook: one implementation, two front ends.
+feed the same :class:`hsdata.extract.capture.Capture` path as the SGLang hook: one implementation, two front ends.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Any, Callable, Collection, Iterable
 
 import torch
 
-from . import capture as capture_module, distributed, writer as writer_module
+from .. import writer as writer_module
+from ..errors import NotAStoreError
+from ..reader import open as open_store
+from . import capture as capture_module, distributed
 from .capture import Capture, Piece, vocab_size
 from .conversations import Record, tokenize
-from .errors import NotAStoreError
-from .reader import open as open_store
 
 MAX_TEMPLATE_CHARS = 4096  # a longer chat template is recorded by its hash alone
 
@@ -68,7 +69,7 @@ def extract(model: torch.nn.Module, tokenizer: Any, records: Iterable[Record], o
 
     For one rank of a job: ``committed`` are the ids already in ``out`` (None: read them from it), the same on
     every rank; ``share=(rank, world_size)`` runs only that rank's share of the batches
-    (:func:`hsdata.distributed.share`), each sample in the batch a single process would put it in."""
+    (:func:`hsdata.extract.distributed.share`), each sample in the batch a single process would put it in."""
     started = time.monotonic()
     summary = EngineSummary()
     layers, norm = decoder_parts(model)
