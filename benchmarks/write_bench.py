@@ -236,13 +236,17 @@ def run_processes(method: str, directory: str, shares: list[list[int]], hidden: 
 
 # ---- driver -----------------------------------------------------------------------------------------------
 
+def token_bytes(hidden: int, layers: int) -> int:
+    return 2 * hidden * (layers + 1) + 5
+
+
+def lengths_of(args, mix: str, hidden: int) -> list[int]:
+    """The sample lengths of one measurement: ``--gib`` of the mix at this width."""
+    return make_lengths(mix, int(args.gib * 2**30 / token_bytes(hidden, args.layers)), args.seed)
+
+
 def measure(args, mix: str, hidden: int, writers: int) -> dict:
-    token_bytes = 2 * hidden * (args.layers + 1) + 5
-    budget = int(args.gib * 2**30 / token_bytes)
-    lengths = make_lengths(mix, budget, args.seed)
-    if len(lengths) < writers:
-        raise SystemExit(f"write_bench: the {mix} mix at --gib {args.gib} is {len(lengths)} sample(s), fewer than "
-                         f"{writers} writers: raise --gib")
+    lengths = lengths_of(args, mix, hidden)
     scratch = os.path.join(args.dir, "out")
     methods = ["raw seq", "raw par", "hsdata"] + (["hsdata before"] if args.before else []) + \
         [f"hsdata {v}" for v in args.variants]
@@ -257,7 +261,7 @@ def measure(args, mix: str, hidden: int, writers: int) -> dict:
                                               package=hsdata_module(m, args.before), method=m)
     else:
         shares = [lengths[r::writers] for r in range(writers)]
-        nbytes = sum(n * token_bytes for n in lengths)
+        nbytes = sum(n * token_bytes(hidden, args.layers) for n in lengths)
         run = {m: (lambda m=m: run_processes(m, scratch, shares, hidden, args.layers, args.seed, args.values,
                                              args.before))
                for m in methods}
@@ -336,6 +340,12 @@ def main() -> None:
         parser.error("variant cold times a fresh writer process: use it with --writers N > 1 only")
     if os.path.realpath(args.dir).startswith("/dev/shm"):
         parser.error("--dir must be on the disk to measure, not tmpfs")
+    for mix in args.mix:
+        for hidden in args.hidden:
+            samples = len(lengths_of(args, mix, hidden))
+            if samples < max(args.writers):
+                parser.error(f"the {mix} mix at --gib {args.gib} and H = {hidden} is {samples} sample(s), fewer "
+                             f"than {max(args.writers)} writers: raise --gib")
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     rows = [measure(args, mix, hidden, writers) for writers in args.writers for hidden in args.hidden
