@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 import hsdata
-import hsdata.storage
+import hsdata.io.storage
 
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
 COMPRESSED = ("zstd", "lz4")  # variants writing a compressed store (hsdata.create(..., compression=...))
@@ -108,7 +108,7 @@ def raw_seq(directory: str, samples: list[dict]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    hsdata.storage.fsync_dir(directory)
+    hsdata.io.storage.fsync_dir(directory)
 
 
 def raw_par(directory: str, samples: list[dict]) -> None:
@@ -134,7 +134,7 @@ def raw_par(directory: str, samples: list[dict]) -> None:
         t.join()
     if errors:
         raise errors[0]
-    hsdata.storage.fsync_dir(directory)
+    hsdata.io.storage.fsync_dir(directory)
 
 
 def hsdata_module(method: str, before: str | None):
@@ -151,11 +151,11 @@ def hsdata_module(method: str, before: str | None):
 
 def write_hsdata(directory: str, samples: list[dict], hidden: int, layers: int, prefix: str = "s",
                  package=hsdata, method: str = "hsdata") -> None:
-    saved = hsdata.storage.WRITEBACK_BYTES
+    saved = hsdata.io.storage.WRITEBACK_BYTES
     if method == "hsdata no-wb":  # ablation: no early writeback (sync_file_range) of the files being written
-        hsdata.storage.WRITEBACK_BYTES = 1 << 62
+        hsdata.io.storage.WRITEBACK_BYTES = 1 << 62
     elif method.startswith("hsdata wb-"):  # the early writeback started every N MiB instead
-        hsdata.storage.WRITEBACK_BYTES = int(method.removeprefix("hsdata wb-")) << 20
+        hsdata.io.storage.WRITEBACK_BYTES = int(method.removeprefix("hsdata wb-")) << 20
     compression = method.removeprefix("hsdata ") if method in COMPRESSED_METHODS else None
     try:
         with package.create(directory, hidden_size=hidden, aux_layers=list(range(1, layers + 1)), model="bench",
@@ -163,7 +163,7 @@ def write_hsdata(directory: str, samples: list[dict], hidden: int, layers: int, 
             for i, sample in enumerate(samples):
                 w.add(f"{prefix}{i:07d}", **sample)
     finally:
-        hsdata.storage.WRITEBACK_BYTES = saved
+        hsdata.io.storage.WRITEBACK_BYTES = saved
 
 
 def _write_all(fd: int, data: memoryview) -> None:

@@ -24,7 +24,7 @@ from .progress import Progress, human_bytes, status
 from .repair import remove_loss_masks, remove_samples
 from .reader import Store, open as open_store
 from .show import run as run_show
-from .storage import Storage
+from .io.storage import Storage
 from .validate import leftovers, validate
 
 

@@ -18,7 +18,7 @@ from .arrow import arrow_of, numpy_of, table_of, valid_of
 from .ids import collision_candidates, hash_ids
 from .layout import MANIFESTS
 from .spec import TENSOR_NAMES
-from .storage import Storage
+from .io.storage import Storage
 
 MAX_TOKENS = 2**48  # bound on token_offset + num_tokens: sums of many rows stay exact in int64 (section 10)
 

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 from . import removals, tables
 from .arrow import array_of, arrow_of, numpy_of, table_of
 from .ids import IdIndex
-from .storage import Storage
+from .io.storage import Storage
 
 MASKS = "masks"
 SCHEMA = pa.schema([

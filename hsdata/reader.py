@@ -16,18 +16,18 @@ import pyarrow.compute as pc
 import torch
 
 from . import manifest, masks, removals, sampling
-from .buffers import BufferPool
-from .cache import RangeCache
+from .io.buffers import BufferPool, shared_bytes
+from .io.cache import RangeCache
 from .errors import CorruptDataError
 from .arrow import arrow_of, numpy_of
 from .ids import IdIndex, SampleIds, sorted_keys
 from .layout import (MAX_METADATA_BYTES, array_node, load_part_provenance, load_root, metadata_key, parse_document,
                      read_document, shard_key)
-from .pool import ProcessLocalPool
+from .io.threads import ProcessLocalPool
 from .shard import (CRC_NBYTES, ChunkRun, ShardRange, chunk_runs, chunks_per_shard, decode_index, decode_run,
                     encoded_chunk_nbytes, index_nbytes, index_spans, token_ranges)
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
-from .storage import MAX_REQUESTS, Storage
+from .io.storage import MAX_REQUESTS, Storage
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 LOCAL_CONCURRENCY = 4  # I/O threads reading a local store
@@ -183,16 +183,27 @@ class Store:
         main process without copying."""
         return self.read_many([i], fields, shared=shared)[0]
 
-    def read_many(self, indices: Sequence[int], fields: Iterable[str] | None = None, *,
-                  shared: bool = False) -> list[dict[str, Any]]:
+    def read_many(self, indices: Sequence[int], fields: Iterable[str] | None = None, *, shared: bool = False,
+                  out: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
+                  inline: bool = False) -> list[dict[str, Any]]:
         """Several samples as :meth:`read` gives them, their reads issued together: on a remote store, ranges
-        of samples that lie next to each other share requests."""
+        of samples that lie next to each other share requests.
+
+        ``out``: for each sample, tensors to read some of its tensors into, by name (each contiguous, of the
+        stored dtype, holding the sample's first rows: its rows of a padded batch, say); the sample's rows beyond
+        them are read only to check its checksum (not at all with ``verify`` off), and the sample's dict holds
+        the given tensor. ``inline``: read a local store on the calling thread (for callers that read several
+        samples at once on threads of their own), instead of on the store's I/O threads.
+        """
         names = _check_fields(fields)
-        plans = [self._plan(self._position(i), names, shared) for i in indices]
+        if out is not None and len(out) != len(indices):
+            raise ValueError(f"out has {len(out)} entries for {len(indices)} samples")
+        plans = [self._plan(self._position(i), names, shared, out[k] if out is not None else None)
+                 for k, i in enumerate(indices)]
         reads = [read for plan in plans for read in plan.reads]
         done = 0
         try:
-            for read, _ in zip(reads, self._fetch(reads)):
+            for read, _ in zip(reads, self._fetch(reads, inline)):
                 if self.verify:  # overlaps with the reads still in flight
                     read.hasher.update(read.destination)
                 done += 1
@@ -230,7 +241,8 @@ class Store:
             raise IndexError(f"sample index {i} out of range for a store of {n} samples")
         return int(i) % n
 
-    def _plan(self, i: int, names: tuple[str, ...], shared: bool) -> _Plan:
+    def _plan(self, i: int, names: tuple[str, ...], shared: bool,
+              destinations: Mapping[str, torch.Tensor] | None) -> _Plan:
         """The output buffers of sample ``i`` and the ranges to read into them, in byte order of each tensor."""
         part, offset, length = self.location(i)
         with_mask = self._has_loss_mask[i]
@@ -238,32 +250,49 @@ class Store:
         sample_id = self._ids[i]
         for tensor in tensors:
             self._check_extent(sample_id, part, offset, length, tensor)
-        if shared:
-            outputs = [torch.empty(length * t.row_nbytes, dtype=torch.uint8).share_memory_() for t in tensors]
-        else:
-            outputs = [self._buffers.take(length * t.row_nbytes) for t in tensors]
-        plan = _Plan(i, sample_id, tensors, outputs, [manifest.content_hasher() for _ in tensors],
+        given = [_destination(sample_id, t, destinations.get(t.name), length) if destinations else None
+                 for t in tensors]
+        outputs = []
+        for tensor, destination in zip(tensors, given):
+            if destination is not None:
+                outputs.append(destination.view(torch.uint8).reshape(-1))
+            elif shared:
+                outputs.append(shared_bytes(length * tensor.row_nbytes))
+            else:
+                outputs.append(self._buffers.take(length * tensor.row_nbytes))
+        plan = _Plan(i, sample_id, tensors, outputs, given, [manifest.content_hasher() for _ in tensors],
                      with_meta="meta" in names)
         if "loss_mask" in names and not with_mask:
             plan.mask_added_later, plan.added_mask = True, self._added_masks.get(sample_id)
         for k, (tensor, output) in enumerate(zip(tensors, outputs)):
-            buffer, start = memoryview(output.numpy()), 0
-            codec = self._codecs.get(tensor.name)
-            if codec is None:
-                ranges = [r for whole in token_ranges(self.spec, tensor, offset, length)
-                          for r in whole.split(self._range_bytes)]
-            else:
-                ranges = [r for whole in self._chunk_runs(sample_id, part, tensor, offset, length)
-                          for r in whole.split(self._range_bytes, tensor.chunk_nbytes)]
-            for r in ranges:
-                read = _Read(plan.sample_id, plan.hashers[k], shard_key(part, tensor, r.shard), r,
-                             buffer[start : start + r.nbytes])
-                if codec is not None:
-                    read.tensor, read.codec = tensor, codec
-                    read.encoded = memoryview(self._buffers.take(r.file_end - r.file_start).numpy())
-                plan.reads.append(read)
-                start += r.nbytes
+            rows = len(output) // tensor.row_nbytes
+            spans = [(offset, rows, memoryview(output.numpy()))]
+            if rows < length and self.verify:  # the rest only feeds the checksum
+                tail = self._buffers.take((length - rows) * tensor.row_nbytes)
+                spans.append((offset + rows, length - rows, memoryview(tail.numpy())))
+            for first, count, buffer in spans:
+                if count:
+                    self._plan_reads(plan, k, part, tensor, first, count, buffer)
         return plan
+
+    def _plan_reads(self, plan: _Plan, k: int, part: str, tensor: TensorSpec, offset: int, count: int,
+                    buffer: memoryview) -> None:
+        """The reads that fill ``buffer`` with rows ``[offset, offset + count)`` of ``tensor`` in ``part``."""
+        codec, start = self._codecs.get(tensor.name), 0
+        if codec is None:
+            ranges = [r for whole in token_ranges(self.spec, tensor, offset, count)
+                      for r in whole.split(self._range_bytes)]
+        else:
+            ranges = [r for whole in self._chunk_runs(plan.sample_id, part, tensor, offset, count)
+                      for r in whole.split(self._range_bytes, tensor.chunk_nbytes)]
+        for r in ranges:
+            read = _Read(plan.sample_id, plan.hashers[k], shard_key(part, tensor, r.shard), r,
+                         buffer[start : start + r.nbytes])
+            if codec is not None:
+                read.tensor, read.codec = tensor, codec
+                read.encoded = memoryview(self._buffers.take(r.file_end - r.file_start).numpy())
+            plan.reads.append(read)
+            start += r.nbytes
 
     def _chunk_runs(self, sample_id: str, part: str, tensor: TensorSpec, offset: int, length: int) -> list[ChunkRun]:
         """The compressed chunks holding a sample's rows of one tensor, from the indexes of the shards they lie in."""
@@ -313,20 +342,24 @@ class Store:
             if added is not None and np.frombuffer(added, np.uint8).max() > 1:
                 raise CorruptDataError(f"sample {sample_id!r}: its added loss mask holds values other than 0 and 1")
             out["loss_mask"] = None if added is None else torch.frombuffer(bytearray(added), dtype=torch.uint8)
-        for tensor, output, hasher in zip(plan.tensors, plan.outputs, plan.hashers):
+        for tensor, output, given, hasher in zip(plan.tensors, plan.outputs, plan.given, plan.hashers):
             if self.verify:
                 self._check_hash(i, tensor, hasher.intdigest())
+            if given is not None:
+                out[tensor.name] = given
+                continue
             value = output.view(tensor.dtype.torch)
             if tensor.width is not None:
                 value = value.view(-1, tensor.width)
             out[tensor.name] = value.to(torch.int64) if tensor.name == "input_ids" else value
         return out
 
-    def _fetch(self, reads: list[_Read]) -> Iterator[None]:
+    def _fetch(self, reads: list[_Read], inline: bool = False) -> Iterator[None]:
         """Fill the destinations of ``reads``, yielding once per read as each completes, in order.
 
-        Locally each range is one ``preadv`` on the I/O threads (small reads on the caller's thread); from a
-        remote store all ranges are fetched together (neighbours merged, a bounded number in flight).
+        Locally each range is one ``preadv`` on the I/O threads (small reads, and all with ``inline``, on the
+        caller's thread); from a remote store all ranges are fetched together (neighbours merged, a bounded
+        number in flight).
         """
         if not self._storage.is_local:
             requests = [(read.key, read.range.file_start, _iov(read)) for read in reads]
@@ -334,7 +367,7 @@ class Store:
                 for read, _ in zip(reads, arriving):
                     self._decode(read)
                     yield
-        elif len(reads) == 1 or sum(read.range.nbytes for read in reads) < INLINE_READ_BYTES:
+        elif inline or len(reads) == 1 or sum(read.range.nbytes for read in reads) < INLINE_READ_BYTES:
             for read in reads:
                 self._pread(read)
                 yield
@@ -410,7 +443,8 @@ class _Plan:
     position: int
     sample_id: str
     tensors: list[TensorSpec]
-    outputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]  # uint8, flat: what the reads fill (the first rows, where a tensor was given)
+    given: list[torch.Tensor | None]  # the caller's tensor to return, or None
     hashers: list
     with_meta: bool = False
     reads: list[_Read] = field(default_factory=list)
@@ -444,6 +478,21 @@ def _iov(read: _Read) -> list:
         iov += (crc, destination[:size]) if iov else (destination[:size],)
         destination = destination[size:]
     return iov
+
+
+def _destination(sample_id: str, tensor: TensorSpec, given: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """``given`` checked as a place for the first rows of ``tensor`` of a sample of ``length`` tokens."""
+    if given is None:
+        return None
+    if given.dtype != tensor.dtype.torch or not given.is_contiguous() or given.device.type != "cpu":
+        raise ValueError(f"sample {sample_id!r}: out[{tensor.name!r}] must be a contiguous CPU tensor of "
+                         f"{tensor.dtype.torch}, got {given.dtype} on {given.device}"
+                         f"{'' if given.is_contiguous() else ', not contiguous'}")
+    rows, extra = divmod(given.numel(), tensor.width or 1)
+    if extra or rows > length or (given.dim() > 1 and given.shape[-1] != tensor.width):
+        raise ValueError(f"sample {sample_id!r}: out[{tensor.name!r}] has shape {tuple(given.shape)}; it must "
+                         f"hold at most {length} rows of {tensor.width or 1}")
+    return given
 
 
 def _check_fields(fields: Iterable[str] | None) -> tuple[str, ...]:

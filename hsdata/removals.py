@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from . import tables
 from .errors import CorruptDataError
 from .arrow import array_of, arrow_of, numpy_of, table_of, valid_of
-from .storage import Storage
+from .io.storage import Storage
 
 REMOVALS = "removals"
 SCHEMA = pa.schema([

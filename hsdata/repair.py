@@ -14,7 +14,7 @@ import pyarrow as pa
 from . import inputs, manifest, masks, removals
 from .errors import InvalidSampleError
 from .layout import load_spec
-from .storage import Storage
+from .io.storage import Storage
 
 SHOWN = 5  # refused ids named in an error message; the rest are counted
 

@@ -25,7 +25,7 @@ from .errors import CorruptDataError
 from .spec import StoreSpec, TensorSpec
 
 if TYPE_CHECKING:
-    from .storage import AtomicWriter
+    from .io.storage import AtomicWriter
 
 CRC_NBYTES = 4
 MISSING = 2**64 - 1

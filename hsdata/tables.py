@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from .errors import CorruptDataError
-from .storage import Storage
+from .io.storage import Storage
 
 FILE_NAME = re.compile(r"^(?P<writer>[A-Za-z0-9_-]+)\.(?P<seq>\d{8})\.(?P<hash>[0-9a-f]{16})\.parquet$")
 FILE_PATTERN = "<writer>.<8 digits>.<16 lower-case hex digits>.parquet (writer: letters, digits, '_', '-')"

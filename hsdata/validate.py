@@ -34,7 +34,7 @@ from .compression import decode_into
 from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, encoded_chunk_nbytes, index_nbytes, index_spans,
                     token_ranges)
 from .spec import HIDDEN_TENSORS, TENSOR_NAMES, StoreSpec, TensorSpec
-from .storage import Storage
+from .io.storage import Storage
 
 BLOCK_BYTES = 64 << 20  # one read while streaming a shard
 REFUSES_GC = ("manifest", "bounds")  # problems that leave what is committed unknown: gc deletes nothing

@@ -24,7 +24,7 @@ from .layout import (MANIFESTS, PART_ATTRIBUTE, PARTS, PROVENANCE_ATTRIBUTE, ROO
                      metadata_key, part_node, shard_key)
 from .shard import CompressedShardEncoder, ShardEncoder
 from .spec import FINAL_HIDDEN_STATE, StoreSpec
-from .storage import Storage
+from .io.storage import Storage
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 INLINE_BYTES = 1 << 20  # rows of a sample smaller than this are written on the writer thread itself

@@ -8,7 +8,7 @@ import torch
 
 import hsdata
 from conftest import assert_same, make_sample, write_store
-from hsdata.buffers import MIN_POOLED_BYTES, BufferPool
+from hsdata.io.buffers import MIN_POOLED_BYTES, BufferPool
 
 
 def test_a_buffer_is_reused_only_after_every_view_of_it_is_gone():

@@ -21,11 +21,12 @@ from crc32c import crc32c
 
 import hsdata
 from conftest import SPEC, RangeFilesHandler, assert_same, make_sample, write_store
-from hsdata import manifest, masks, removals, storage
+from hsdata import manifest, masks, removals
+from hsdata.io import storage
 from hsdata.cli import main
 from hsdata.layout import shard_key
 from hsdata.shard import encoded_chunk_nbytes, token_ranges
-from hsdata.storage import Storage
+from hsdata.io.storage import Storage
 from hsdata.validate import validate
 
 LAYOUT = dict(shard_tokens=256, chunk_tokens=16)

@@ -22,7 +22,7 @@ import hsdata.validate
 from conftest import SMALL_LAYOUT, SPEC, RangeFilesHandler, make_sample, range_answer, write_store
 from hsdata.errors import UnsafePathError
 from hsdata.layout import MAX_JSON_DEPTH, MAX_METADATA_BYTES
-from hsdata.storage import Storage
+from hsdata.io.storage import Storage
 from hsdata.tables import MAX_TABLE_BYTES
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -17,7 +17,7 @@ from hsdata import masks, removals
 from hsdata.extract.client import HOOK_FACTORY, extract_from_server
 from hsdata.extract.conversations import Record
 from hsdata.inputs import MAX_META_BYTES, MAX_SAMPLE_ID_BYTES
-from hsdata.storage import Storage
+from hsdata.io.storage import Storage
 
 T = 12
 GOOD = make_sample(T, 0)

@@ -21,7 +21,7 @@ from moto.server import ThreadedMotoServer
 from torch.utils.data import DataLoader
 
 import hsdata
-from hsdata import storage
+from hsdata.io import storage
 from conftest import SMALL_LAYOUT, RangeFilesHandler, assert_same, make_sample, range_answer, write_store
 from hsdata.errors import CorruptDataError
 from hsdata.validate import validate

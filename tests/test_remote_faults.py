@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 import hsdata
 from conftest import SMALL_LAYOUT, SPEC, RangeFilesHandler, assert_same, make_sample, range_answer, write_store
-from hsdata import storage
+from hsdata.io import storage
 from hsdata.errors import WriterError
 from hsdata.torch import Eagle3Dataset, ShardAwareSampler, collate_eagle3
 from hsdata.validate import validate
@@ -173,7 +173,7 @@ def test_answers_slower_than_the_client_timeout_are_retried_and_read_back_exact(
     monkeypatch.setattr(storage, "RETRY_BASE_S", 0.01)
     state.slow_s, state.slow_first = 2.0, 13  # listings, metadata, manifests and the first ranges: each first try
     # stalls; the listing of removals/ (absent here) is no error after its stall, the other 12 are retried
-    caplog.set_level(logging.WARNING, logger="hsdata.storage")
+    caplog.set_level(logging.WARNING, logger="hsdata.io.storage")
     start = time.monotonic()
     store = hsdata.open(url, storage_options=_timeouts(sock_read=0.5, total=5))
     for sample_id, sample in SAMPLES.items():
@@ -248,7 +248,7 @@ def _restart_after(state: _State, servers: list[_Server], directory: str, nth: i
 def test_a_server_restarted_mid_read_loses_no_sample(served, tmp_path, monkeypatch, caplog, how):
     url, state, servers = served
     monkeypatch.setattr(storage, "RETRY_BASE_S", 0.15)  # 5 retries span 0.15 * 31 s * [0.5, 1.5]: >= 2.3 s
-    caplog.set_level(logging.WARNING, logger="hsdata.storage")
+    caplog.set_level(logging.WARNING, logger="hsdata.io.storage")
     seen = []
     if how == "store.get":
         store = hsdata.open(url)

@@ -12,7 +12,7 @@ import torch
 import hsdata
 from conftest import SMALL_LAYOUT, SPEC, assert_same, make_sample, write_store
 from hsdata import masks
-from hsdata.storage import Storage
+from hsdata.io.storage import Storage
 
 
 def test_ragged_round_trip(store_path, ragged_samples):

@@ -230,15 +230,15 @@ def test_pack_puts_samples_end_to_end_with_document_and_position_ids(store_url):
 
 def test_read_ahead_in_process_reads_the_coming_samples_and_returns_the_right_ones(store_url):
     store = hsdata.open(store_url)
-    dataset = Eagle3Dataset(store_url, read_ahead_bytes=64 << 10)
+    dataset = Eagle3Dataset(store_url, read_ahead_bytes=1 << 20)
     sampler = ShardAwareSampler(dataset, seed=8)
     loader = DataLoader(dataset, batch_size=3, sampler=sampler, collate_fn=pack_eagle3, num_workers=0)
     order = list(sampler)
     batches = iter(loader)
     first = next(batches)
     assert first["sample_id"] == [store.read(i)["sample_id"] for i in order[:3]]
-    pending = [i for i, _, _ in dataset._ahead._pending]
-    assert pending == order[3 : 3 + len(pending)] and len(pending) > 1  # the next samples are already coming
+    pending = [i for positions, _ in dataset._ahead._pending for i in positions]
+    assert pending == order[3 : 3 + len(pending)] and len(pending) > 3  # the next batches are already coming
     for k, batch in enumerate(batches, start=1):
         for b, i in enumerate(order[3 * k : 3 * k + 3]):
             want = store.read(i)

@@ -15,7 +15,7 @@ import torch
 import hsdata
 from conftest import SPEC, assert_same, make_sample, write_store
 from hsdata import masks
-from hsdata.storage import Storage
+from hsdata.io.storage import Storage
 from hsdata.layout import shard_key
 from hsdata.shard import encoded_chunk_nbytes, index_nbytes, chunks_per_shard
 from hsdata.validate import validate

@@ -12,7 +12,7 @@ from crc32c import crc32c
 
 import hsdata
 import hsdata.writer as writer_module
-from hsdata import storage as storage_module
+from hsdata.io import storage as storage_module
 from hsdata.shard import ShardEncoder, encode_index
 from hsdata.spec import StoreSpec
 

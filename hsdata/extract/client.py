@@ -27,7 +27,7 @@ from .. import manifest, masks
 from ..errors import NotAStoreError, ServerCheckError
 from ..reader import open as open_store
 from ..repair import add_loss_masks
-from ..storage import Storage
+from ..io.storage import Storage
 from .conversations import Record, tokenize
 
 BATCH = 256  # records tokenized, masked and sent together

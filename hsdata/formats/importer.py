@@ -27,7 +27,7 @@ from ..layout import ROOT_METADATA, load_root
 from ..reader import open as open_store
 from ..repair import remove_samples
 from ..spec import TENSOR_NAMES
-from ..storage import Storage
+from ..io.storage import Storage
 from ..writer import DEFAULT_MAX_PENDING_BYTES, Writer, create
 from . import BadSourceError, SourceSample, dtype_name, get
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.data import get_worker_info
 
-CONVENTIONS = ("hsdata", "specforge", "modelopt")
-IGNORE_INDEX = -100  # labels of positions that predict nothing (ModelOpt's IGNORE_TOKEN_ID)
-PER_TOKEN = ("input_ids", "loss_mask", "attention_mask", "position_ids", "aux_hidden_states", "hidden_states")
+from ..io import segments
+from ..io.segments import SharedBatch
+from .batches import CONVENTIONS, BatchItems, Layout, collate
+
+__all__ = ["CONVENTIONS", "collate_eagle3", "pack_eagle3"]
 
 
 def collate_eagle3(items: list[dict[str, Any]], *, pad_to_multiple_of: int = 1,
@@ -26,36 +29,16 @@ def collate_eagle3(items: list[dict[str, Any]], *, pad_to_multiple_of: int = 1,
       ``base_model_hidden_states``, ``aux_hidden_states`` and ``base_hidden_prenorm`` (False: stores hold the
       post-norm state).
 
-    No convention shifts a tensor: both trainers shift inside their training step.
+    No convention shifts a tensor: both trainers shift inside their training step. Items an ``Eagle3Dataset``
+    read as one batch (a DataLoader with a batch size) already lie in their padded places: then the batch is
+    returned without copying them when its width is the same; other items are copied. In a DataLoader worker the
+    batch lies in shared memory the worker lends to the training process, which gets it without a copy.
     """
-    if convention not in CONVENTIONS:
-        raise ValueError(f"unknown convention {convention!r}; expected one of {list(CONVENTIONS)}")
-    if pad_to_multiple_of < 1:
-        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
-    batch = _per_sample(items)
-    lengths = [len(item["input_ids"]) for item in items]
-    width = -(-max(lengths) // pad_to_multiple_of) * pad_to_multiple_of
-    for name in PER_TOKEN:
-        first = items[0][name]
-        out = first.new_zeros((len(items), width, *first.shape[1:]))
-        for b, item in enumerate(items):
-            out[b, : lengths[b]] = item[name]
-        batch[name] = out
-    if convention == "specforge":
-        loss_mask = batch["loss_mask"]
-        loss_mask[torch.arange(len(items)), torch.tensor(lengths) - 1] = 0
-        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "loss_mask": loss_mask,
-                "hidden_state": batch["aux_hidden_states"], "target": batch["hidden_states"]}
-    if convention == "modelopt":
-        labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
-        for b, n in enumerate(lengths):
-            labels[b, : n - 1] = batch["input_ids"][b, 1:n]
-        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-                "loss_mask": batch["loss_mask"], "labels": labels,
-                "base_model_outputs": {"base_model_hidden_states": batch["hidden_states"],
-                                       "aux_hidden_states": batch["aux_hidden_states"],
-                                       "base_hidden_prenorm": False}}
-    return batch
+    layout = Layout(convention, pad_to_multiple_of)
+    batch = items.batch(layout) if isinstance(items, BatchItems) else None
+    if batch is None:
+        batch = collate(layout, items, _block).batch()
+    return _sent(batch, items)
 
 
 def pack_eagle3(items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -65,20 +48,15 @@ def pack_eagle3(items: list[dict[str, Any]]) -> dict[str, Any]:
     in each sample, ``document_ids`` [1, S] give each token's item number, and ``cu_seqlens`` int32 [B + 1] are
     the sample boundaries (flash-attention's varlen layout). ``sample_id`` (and ``meta``) list the items in order.
     """
-    batch = _per_sample(items)
-    lengths = torch.tensor([len(item["input_ids"]) for item in items])
-    for name in PER_TOKEN:
-        batch[name] = torch.cat([item[name] for item in items]).unsqueeze(0)
-    batch["document_ids"] = torch.repeat_interleave(torch.arange(len(items)), lengths).unsqueeze(0)
-    batch["cu_seqlens"] = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    return batch
+    return _sent(collate(Layout(pack=True), items, _block).batch(), items)
 
 
-def _per_sample(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """The batch's lists of per-sample values: ``sample_id``, and ``meta`` when the items carry it."""
-    if not items:
-        raise ValueError("cannot collate an empty batch")
-    batch: dict[str, Any] = {"sample_id": [item["sample_id"] for item in items]}
-    if "meta" in items[0]:
-        batch["meta"] = [item["meta"] for item in items]
-    return batch
+def _block(nbytes: int) -> torch.Tensor:
+    return segments.take(nbytes) if get_worker_info() is not None else torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _sent(batch: dict[str, Any], items: list) -> dict[str, Any]:
+    """In a DataLoader worker, the batch as a :class:`SharedBatch` (it pickles by its places in shared memory)."""
+    if get_worker_info() is None:
+        return batch
+    return SharedBatch(batch, pin=items.pin if isinstance(items, BatchItems) else None)

@@ -9,19 +9,19 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
 from .. import sampling
 from ..errors import CorruptDataError
-from ..pool import ProcessLocalPool
 from ..reader import Store, open as open_store
-from .readahead import THREADS, ReadAhead
+from .batches import Hidden
+from .readahead import BatchReads
 
 ON_ERROR = ("raise", "skip")
 log = logging.getLogger("hsdata")
 
 
-class Eagle3Dataset(Dataset):
+class Eagle3Dataset(BatchReads, Dataset):
     """Samples of a store as EAGLE-3 training items, truncated to ``max_length`` tokens.
 
     Each item: ``input_ids`` int64 [T], ``loss_mask`` int64 [T], ``aux_hidden_states`` [T, K*H] and
@@ -33,28 +33,30 @@ class Eagle3Dataset(Dataset):
     ``select``, ``filter`` and ``split`` give datasets over some of the samples (reads stay shard-aware).
     ``on_error="skip"`` leaves out a sample that fails verification instead of raising (see :meth:`skipped`).
 
-    Read-ahead: once told the coming order (:meth:`expect`; the samplers here do it), the process that fetches
-    items reads up to ``read_ahead_bytes`` of the next samples on background threads. A batch fetched through
-    ``__getitems__`` (a DataLoader with a batch size) is read concurrently in any case.
+    Reading: a batch fetched through ``__getitems__`` (a DataLoader with a batch size) is read on ``threads``
+    background threads straight into the rows of one padded batch, which ``collate_eagle3`` then returns without
+    copying; once told the coming order (:meth:`expect`; the samplers here do it), the process that fetches reads
+    up to ``read_ahead_bytes`` of the next batches ahead. In the training process those batches lie in recycled
+    memory, pinned where CUDA is present (``pin_memory=None``; ``False`` turns it off); in a DataLoader worker, in
+    shared memory. :class:`hsdata.torch.Loader` does all of it and more for a whole training loop.
     """
 
     def __init__(self, store: Store | str, *, max_length: int | None = None, storage_options: dict | None = None,
                  verify: bool = True, read_ahead_bytes: int = 512 << 20, on_error: str = "raise",
-                 meta: bool = False, **open_options):
+                 meta: bool = False, threads: int | None = None, pin_memory: bool | None = None, **open_options):
         """``open_options``: more arguments of :func:`hsdata.open` (``concurrency``, ``range_bytes``,
-        ``cache_dir``, ``cache_max_bytes``) for a store given by URL, here and in each worker."""
+        ``cache_dir``, ``cache_max_bytes``) for a store given by URL, here and in each worker. ``threads``: the
+        read threads (default: the cores, at most 16, shared among the node's ranks, at least 4)."""
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
-        if read_ahead_bytes < 0:
-            raise ValueError(f"read_ahead_bytes must be >= 0, got {read_ahead_bytes}")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
         self._url = store.url if isinstance(store, Store) else store
         self._open_options = {"storage_options": storage_options, "verify": verify, **open_options}
         self._store = store if isinstance(store, Store) else open_store(store, **self._open_options)
         self._store_size = len(self._store)
-        self.max_length, self.read_ahead_bytes, self.on_error, self.meta = max_length, read_ahead_bytes, on_error, meta
-        self._pool = ProcessLocalPool(THREADS, "hsdata-read-ahead")
+        self.max_length, self.on_error, self.meta = max_length, on_error, meta
+        self._init_reads(read_ahead_bytes, threads, pin_memory)
         self._select(np.arange(len(self._store), dtype=np.int64))
 
     def _select(self, indices: np.ndarray) -> None:
@@ -64,7 +66,7 @@ class Eagle3Dataset(Dataset):
         self.lengths = stored if self.max_length is None else stored.clip(max=self.max_length)
         self._sample_nbytes = stored * self.store.spec.token_nbytes
         self._storage: np.ndarray | None = None
-        self._ahead: ReadAhead | None = None
+        self._ahead, self._announced = None, None
         self._skipped: dict[str, str] = {}
         self._logged: set[tuple[str, int]] = set()
 
@@ -79,8 +81,12 @@ class Eagle3Dataset(Dataset):
             self._store = store
         return self._store
 
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_store": None, "_ahead": None}  # the pool pickles without its threads
+    @property
+    def hidden(self) -> Hidden:
+        return Hidden.of_spec(self.store.spec)
+
+    def __getstate__(self) -> dict:  # the thread pool pickles without its threads
+        return {**self.__dict__, "_store": None, "_ahead": None, "_announced": None, "_buffers": None}
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -150,50 +156,40 @@ class Eagle3Dataset(Dataset):
         return sampling.shard_aware_order(self.storage_order(), seed=seed, epoch=epoch, block_size=block_size,
                                           window=window)
 
-    # reading
-
-    def expect(self, positions: Iterable[int]) -> None:
-        """Announce the order of the coming ``__getitem__`` calls; reading ahead starts with the first of them,
-        in whichever process makes it. A call for another position than announced ends the read-ahead."""
-        if self._ahead is not None:
-            self._ahead.close()
-        self._ahead = ReadAhead(self._items, self._sample_nbytes, iter(positions), self.read_ahead_bytes,
-                                self._pool)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        if self._ahead is not None:
-            item = self._ahead.take(int(i))
-            if item is not None:
-                return item
-            self._ahead.close()
-            self._ahead = None
-        return self._items([int(i)])[0]
-
-    def __getitems__(self, positions: list[int]) -> list[dict[str, Any]]:
-        """A batch, its samples read concurrently (DataLoader calls this when it has a batch size)."""
-        if self._ahead is None or not self._ahead.expects(positions):
-            self.expect(list(positions))
-        return [self[i] for i in positions]
+    # reading (the rest: readahead.BatchReads)
 
     def skipped(self) -> dict[str, str]:
         """Samples this process left out (``on_error="skip"``): id -> why. Each DataLoader worker keeps its own."""
         return dict(self._skipped)
 
-    def _items(self, positions: list[int]) -> list[dict[str, Any]]:
+    def _locate(self, positions: list[int]) -> list[tuple[Eagle3Dataset, int]]:
+        """Each position's dataset (this one) and store index."""
         for i in positions:
             if not -len(self) <= i < len(self):
                 raise IndexError(f"position {i} out of range for a dataset of {len(self)} samples")
-        shared = get_worker_info() is not None  # read into shared memory: no copy to send it to the main process
-        indices = self.indices[positions].tolist()
+        return [(self, j) for j in self.indices[positions].tolist()]
+
+    def _skips_corrupt(self, positions: list[int]) -> bool:
+        return self.on_error == "skip"
+
+    def _loss_mask(self, sample: dict[str, Any]) -> torch.Tensor:
+        mask = sample["loss_mask"]
+        if mask is None:
+            raise ValueError(f"sample {sample['sample_id']!r} has no loss mask; add it with hsdata.add_loss_masks")
+        return mask
+
+    def _items(self, positions: list[int]) -> list[dict[str, Any]]:
+        """The items at ``positions`` read one by one, a sample failing verification replaced (``on_error``)."""
+        indices = [j for _, j in self._locate(positions)]
         try:
-            read = list(zip(indices, self.store.read_many(indices, shared=shared)))
+            read = list(zip(indices, self.store.read_many(indices)))
         except CorruptDataError:
             if self.on_error == "raise":
                 raise
-            read = [self._read_or_replace(p, shared) for p in positions]
+            read = [self._read_or_replace(p) for p in positions]
         return [self._item(j, sample) for j, sample in read]
 
-    def _read_or_replace(self, position: int, shared: bool) -> tuple[int, dict[str, Any]]:
+    def _read_or_replace(self, position: int) -> tuple[int, dict[str, Any]]:
         """Sample ``position`` (its store index and contents), or if it fails verification, the next sample in
         storage order that reads."""
         storage = self.storage_order()
@@ -204,7 +200,7 @@ class Eagle3Dataset(Dataset):
             if sample_id in self._skipped:
                 continue
             try:
-                return j, self.store.read(j, shared=shared)
+                return j, self.store.read(j)
             except CorruptDataError as e:
                 self._skip(j, sample_id, e)
         raise CorruptDataError(f"every sample of this dataset of {self._url} fails verification; "
@@ -221,9 +217,7 @@ class Eagle3Dataset(Dataset):
 
     def _item(self, j: int, sample: dict[str, Any]) -> dict[str, Any]:
         n = len(sample["input_ids"]) if self.max_length is None else min(self.max_length, len(sample["input_ids"]))
-        mask = sample["loss_mask"]
-        if mask is None:
-            raise ValueError(f"sample {sample['sample_id']!r} has no loss mask; add it with hsdata.add_loss_masks")
+        mask = self._loss_mask(sample)
         item = {
             "sample_id": sample["sample_id"],
             "input_ids": sample["input_ids"][:n],

@@ -9,12 +9,14 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .. import sampling
+from .batches import Hidden
 from .dataset import Eagle3Dataset
+from .readahead import BatchReads
 
 _SAME = ("hidden_size", "aux_layers", "dtype", "layer_convention", "final_hidden_state")
 
 
-class Mixture(Dataset):
+class Mixture(BatchReads, Dataset):
     """``datasets`` (over stores of one spec) as one dataset whose positions are theirs end to end.
 
     An epoch holds ``samples_per_epoch`` samples (default: all of every dataset), split among the datasets in
@@ -42,6 +44,9 @@ class Mixture(Dataset):
             raise ValueError(f"datasets {empty} have no samples but a weight above 0")
         self.offsets = np.cumsum([0, *sizes])
         self.lengths = np.concatenate([d.lengths for d in self.datasets])
+        self._sample_nbytes = np.concatenate([d._sample_nbytes for d in self.datasets])
+        first = self.datasets[0]
+        self._init_reads(first.read_ahead_bytes, first._pool.threads, first.pin_memory)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -64,25 +69,32 @@ class Mixture(Dataset):
             order[sources == k] = sampling.stream_slice(one_pass, len(dataset), epoch * count, count) + self.offsets[k]
         return order
 
-    def expect(self, positions: Iterable[int]) -> None:
-        """Announce the coming order: each dataset reads ahead its own part of it."""
-        positions = np.fromiter(positions, dtype=np.int64)
-        sources = self._source(positions)
-        for k, dataset in enumerate(self.datasets):
-            dataset.expect(iter(positions[sources == k] - self.offsets[k]))
+    # reading (the rest: readahead.BatchReads)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        k = int(self._source(np.array([i]))[0])
-        return self.datasets[k][int(i - self.offsets[k])]
+    @property
+    def hidden(self) -> Hidden:
+        return self.datasets[0].hidden
 
-    def __getitems__(self, positions: list[int]) -> list[dict[str, Any]]:
-        """A batch: each dataset's samples of it read together."""
+    def __getstate__(self) -> dict:  # the thread pool pickles without its threads
+        return {**self.__dict__, "_ahead": None, "_announced": None, "_buffers": None}
+
+    def _locate(self, positions: list[int]) -> list[tuple[Eagle3Dataset, int]]:
+        positions_ = np.asarray(positions, dtype=np.int64)
+        sources = self._source(positions_)
+        return [(self.datasets[k], int(self.datasets[k].indices[p - self.offsets[k]]))
+                for k, p in zip(sources.tolist(), positions_.tolist())]
+
+    def _skips_corrupt(self, positions: list[int]) -> bool:
+        return any(self.datasets[k].on_error == "skip" for k in set(self._source(np.asarray(positions)).tolist()))
+
+    def _items(self, positions: list[int]) -> list[dict[str, Any]]:
+        """The items at ``positions`` read one by one by their datasets (which replace corrupt samples)."""
         positions_ = np.asarray(positions, dtype=np.int64)
         sources = self._source(positions_)
         items: list[Any] = [None] * len(positions)
         for k in np.unique(sources).tolist():
             places = np.flatnonzero(sources == k)
-            for place, item in zip(places, self.datasets[k].__getitems__((positions_[places] - self.offsets[k]).tolist())):
+            for place, item in zip(places, self.datasets[k]._items((positions_[places] - self.offsets[k]).tolist())):
                 items[place] = item
         return items
 
@@ -91,7 +103,7 @@ class Mixture(Dataset):
         return {sid: why for d in self.datasets for sid, why in d.skipped().items()}
 
     def _source(self, positions: np.ndarray) -> np.ndarray:
-        if ((positions < 0) | (positions >= len(self))).any():
+        if positions.ndim != 1 or ((positions < 0) | (positions >= len(self))).any():
             raise IndexError(f"positions out of range for a mixture of {len(self)} samples")
         return np.searchsorted(self.offsets, positions, side="right") - 1
 

@@ -1,71 +1,227 @@
-"""Read-ahead: the items of an announced order, read on background threads up to a byte budget."""
+"""Reading batches into place, now or ahead: a batch's samples are read on background threads straight into their
+rows of the batch's block, and the batches of an announced order are read ahead up to a byte budget."""
 
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 from concurrent.futures import Future
-from typing import Any, Iterator
+from functools import partial
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
+from torch.utils.data import get_worker_info
 
-from ..pool import ProcessLocalPool
+from ..errors import CorruptDataError
+from ..io import pinned as pinning
+from ..io import segments
+from ..io.ring import Ring
+from ..io.threads import ProcessLocalPool
+from .batches import BatchItems, Built, Layout, collate, fill_row, finish_pack, flat, hidden_rows, plan, views
 
-THREADS = 4
-GROUP_BYTES = 8 << 20  # neighbouring items read together, up to about this many bytes
+GROUP_BYTES = 8 << 20  # neighbouring samples of a batch (of one store) read together, up to about this many bytes
 GROUP_ITEMS = 64
 
 
+class Pending:
+    """A batch being read: its plan and tensors, and the reads filling them (each a group of its samples)."""
+
+    def __init__(self, source, positions: list[int], layout: Layout, take: Callable, pool: ProcessLocalPool):
+        self._source, self._positions, self._layout, self._take = source, positions, layout, take
+        located = source._locate(positions)
+        self._plan = plan(layout, source.hidden, source.lengths[positions])
+        self.nbytes = self._plan.nbytes
+        self._tensors = views(self._plan, take(self._plan.nbytes))
+        if layout.pack:
+            finish_pack(self._plan, self._tensors)
+        self._reads: list[Future] = [pool.submit(_read_group, dataset, indices, rows, self._plan, self._tensors)
+                                     for dataset, indices, rows in _groups(located, source._sample_nbytes[positions])]
+
+    def result(self) -> Built:
+        """The batch, once read; a sample failing verification raises, or with ``on_error="skip"`` is replaced
+        (the batch is then collated from its items)."""
+        try:
+            parts = [read.result() for read in self._reads]
+        except CorruptDataError:
+            self.cancel()
+            if not self._source._skips_corrupt(self._positions):
+                raise
+            items = self._source._items(self._positions)
+            return collate(self._layout, items, self._take)
+        finally:
+            self._reads = []
+        ids = [sample_id for part_ids, _ in parts for sample_id in part_ids]
+        metas = [meta for _, part_metas in parts for meta in part_metas] if parts[0][1] is not None else None
+        return Built(self._plan, self._tensors, ids, metas)
+
+    def cancel(self) -> None:
+        for read in self._reads:
+            read.cancel()
+
+
+def _groups(located: list[tuple[Any, int]], nbytes: Sequence[int]) -> Iterator[tuple[Any, list[int], list[int]]]:
+    """Runs of consecutive rows whose samples lie in one dataset, up to ``GROUP_BYTES`` or ``GROUP_ITEMS``:
+    ``(dataset, store indices, rows)``."""
+    dataset, indices, rows, size = None, [], [], 0
+    for row, ((owner, index), n) in enumerate(zip(located, nbytes)):
+        if rows and (owner is not dataset or size + n > GROUP_BYTES or len(rows) == GROUP_ITEMS):
+            yield dataset, indices, rows
+            indices, rows, size = [], [], 0
+        dataset = owner
+        indices.append(index)
+        rows.append(row)
+        size += int(n)
+    if rows:
+        yield dataset, indices, rows
+
+
+def _read_group(dataset, indices: list[int], rows: list[int], p, tensors) -> tuple[list[str], list | None]:
+    """Read samples ``indices`` of ``dataset``'s store into batch rows ``rows``: the hidden states straight into
+    place, then the token tensors and padding."""
+    samples = dataset.store.read_many(indices, out=[hidden_rows(p, tensors, b) for b in rows], inline=True)
+    flat_rows = flat(tensors)
+    for b, sample in zip(rows, samples):
+        fill_row(p, flat_rows, b, sample["input_ids"], dataset._loss_mask(sample))
+    metas = [dataset.store.meta(j) for j in indices] if dataset.meta else None
+    return [sample["sample_id"] for sample in samples], metas
+
+
 class ReadAhead:
-    """Items of an announced order, read on background threads up to a byte budget; tied to one process.
+    """Batches of an announced order, started up to ``budget`` bytes ahead of the one taken; tied to one process."""
 
-    Neighbouring items in the order are read together, up to ``GROUP_BYTES`` or ``GROUP_ITEMS`` at a time (so a
-    remote store can merge their ranges into fewer requests)."""
-
-    def __init__(self, read_many, sample_nbytes: np.ndarray, indices: Iterator[int], budget: int,
-                 pool: ProcessLocalPool):
-        self._read_many, self._nbytes, self._indices, self._budget, self._pool = (read_many, sample_nbytes, indices,
-                                                                                  budget, pool)
-        self._pending: collections.deque[tuple[int, Future, int]] = collections.deque()  # item, its group, place
+    def __init__(self, start: Callable[[list[int]], Pending], batches: Iterator[list[int]], budget: int):
+        self._start, self._batches, self._budget = start, batches, budget
+        self._pending: collections.deque[tuple[list[int], Pending]] = collections.deque()
         self._pending_bytes = 0
         self._pid = os.getpid()
 
-    def expects(self, indices: list[int]) -> bool:
-        """Whether ``indices`` come next in the announced order (as far as it has been read ahead)."""
-        if self._pid != os.getpid():
-            return False
-        self._fill()
-        ahead = [i for i, _, _ in list(self._pending)[: len(indices)]]
-        return bool(ahead) and ahead == [int(i) for i in indices[: len(ahead)]]
-
-    def take(self, i: int) -> dict[str, Any] | None:
-        """Item ``i`` if it is the next announced one, else None."""
+    def next(self) -> Pending | None:
+        """The next batch of the order (None once it is done), and more started behind it."""
         if self._pid != os.getpid():
             return None  # inherited through fork: the threads are not here
         self._fill()
-        if not self._pending or self._pending[0][0] != i:
+        if not self._pending:
             return None
-        _, group, place = self._pending.popleft()
-        self._pending_bytes -= int(self._nbytes[i])
+        _, pending = self._pending.popleft()
+        self._pending_bytes -= pending.nbytes
         self._fill()
-        return group.result()[place]
+        return pending
+
+    def take(self, positions: list[int]) -> Pending | None:
+        """The batch of ``positions`` if it is the next one of the order, else None."""
+        if self._pid != os.getpid():
+            return None
+        self._fill()
+        if not self._pending or self._pending[0][0] != [int(i) for i in positions]:
+            return None
+        return self.next()
 
     def _fill(self) -> None:
         while not self._pending or self._pending_bytes < self._budget:
-            group, nbytes = [], 0
-            while len(group) < GROUP_ITEMS and nbytes < GROUP_BYTES:
-                i = next(self._indices, None)
-                if i is None:
-                    break
-                group.append(int(i))
-                nbytes += int(self._nbytes[int(i)])
-            if not group:
+            positions = next(self._batches, None)
+            if positions is None:
                 return
-            future = self._pool.submit(self._read_many, group)
-            self._pending.extend((i, future, place) for place, i in enumerate(group))
-            self._pending_bytes += nbytes
+            pending = self._start(positions)
+            self._pending.append((positions, pending))
+            self._pending_bytes += pending.nbytes
 
     def close(self) -> None:
-        for _, future, _ in self._pending:
-            future.cancel()
+        for _, pending in self._pending:
+            pending.cancel()
         self._pending.clear()
+
+
+class BatchReads:
+    """Reading for ``Eagle3Dataset`` and ``Mixture``: items and batches read into place, ahead once the order is
+    announced. A subclass gives ``_locate(positions)`` (each position's dataset and store index), ``lengths`` (after
+    truncation), ``_sample_nbytes`` (stored), ``hidden`` (a :class:`~hsdata.torch.batches.Hidden`), ``_items``
+    (items read one by one, the path that replaces corrupt samples) and ``_skips_corrupt(positions)``."""
+
+    def _init_reads(self, read_ahead_bytes: int, threads: int | None, pin_memory: bool | None) -> None:
+        if read_ahead_bytes < 0:
+            raise ValueError(f"read_ahead_bytes must be >= 0, got {read_ahead_bytes}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.read_ahead_bytes, self.pin_memory = read_ahead_bytes, pin_memory
+        self._pool = ProcessLocalPool(threads or default_threads(), "hsdata-read-ahead")
+        self._buffers: Ring | None = None
+        self._announced: tuple[int, np.ndarray, Sequence[int] | None] | None = None
+        self._ahead: ReadAhead | None = None
+
+    def _reads_state(self) -> dict:
+        """What pickles of the reading state: the options and the pool (without its threads)."""
+        return {"_buffers": None, "_announced": None, "_ahead": None}
+
+    def expect(self, positions: Iterable[int], batch_sizes: Sequence[int] | None = None) -> None:
+        """Announce the order of the coming reads; reading ahead starts with the first of them, in whichever
+        process makes it. ``batch_sizes``: how the order is cut into batches (default: batches of the size of the
+        first ``__getitems__`` call, one sample for ``__getitem__``). A read of other positions than announced
+        ends the read-ahead."""
+        if self._ahead is not None:
+            self._ahead.close()
+        self._ahead = None
+        self._announced = (os.getpid(), np.fromiter(positions, dtype=np.int64), batch_sizes)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self._read_items([int(i)])[0]
+
+    def __getitems__(self, positions: list[int]) -> list[dict[str, Any]]:
+        """A batch's items, read together into the rows of one padded batch, which ``collate_eagle3`` then
+        returns without copying (a DataLoader with a batch size calls this)."""
+        return self._read_items([int(i) for i in positions])
+
+    def start_batch(self, positions: list[int], layout: Layout, take: Callable[[int], Any],
+                    pool: ProcessLocalPool | None = None) -> Pending:
+        """Start reading the batch of ``positions`` in ``layout`` into a block from ``take(nbytes)`` on ``pool``'s
+        threads (default: this dataset's)."""
+        return Pending(self, positions, layout, take, pool or self._pool)
+
+    def _read_items(self, positions: list[int]) -> BatchItems:
+        pending = self._take_ahead(positions) or self.start_batch(positions, ITEMS_LAYOUT, self._take)
+        return BatchItems(pending.result(), pin=self.pin_memory)
+
+    def _take_ahead(self, positions: list[int]) -> Pending | None:
+        if self._ahead is None and self._announced is not None and self._announced[0] == os.getpid():
+            _, order, sizes = self._announced
+            self._announced = None
+            batches = cut(order, sizes if sizes is not None else itertools.repeat(len(positions)))
+            self._ahead = ReadAhead(partial(self.start_batch, layout=ITEMS_LAYOUT, take=self._take), batches,
+                                    self.read_ahead_bytes)
+        if self._ahead is None:
+            return None
+        pending = self._ahead.take(positions)
+        if pending is None:
+            self._ahead.close()
+            self._ahead = None
+        return pending
+
+    def _take(self, nbytes: int) -> Any:
+        """Memory for a batch of items: in a DataLoader worker, shared memory lent to the training process
+        (:mod:`hsdata.io.segments`); else a recycled buffer, pinned where CUDA is present (``pin_memory=None``), so
+        that ``pin_memory`` copies nothing."""
+        if get_worker_info() is not None:
+            return segments.take(nbytes)
+        if self._buffers is None:
+            self._buffers = Ring(pinned=pinning.available() if self.pin_memory is None else self.pin_memory)
+        return self._buffers.take(nbytes)
+
+
+ITEMS_LAYOUT = Layout()
+
+
+def default_threads() -> int:
+    """Read threads of a process: the cores (at most 16) shared among the node's ranks, and at least 4 (reads
+    wait on the disk too)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(4, min(16, os.cpu_count() or 1) // max(1, ranks))
+
+
+def cut(order: np.ndarray, sizes: Iterable[int]) -> Iterator[list[int]]:
+    """``order`` cut into consecutive batches of ``sizes`` (the last one shorter if the order runs out)."""
+    start = 0
+    for size in sizes:
+        if start >= len(order):
+            return
+        yield order[start : start + size].tolist()
+        start += size

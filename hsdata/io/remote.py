@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .errors import CorruptDataError
+from ..errors import CorruptDataError
 
 S3_READ_BYTES = 1 << 20
 

@@ -35,7 +35,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from . import remote
 from .cache import RangeCache
-from .errors import CorruptDataError, HsdataError, MissingExtraError, RemoteReadError, UnsafePathError
+from ..errors import CorruptDataError, HsdataError, MissingExtraError, RemoteReadError, UnsafePathError
 
 MAX_OPEN_FILES = 256
 RETRIES = 5  # attempts after the first, for transient errors of remote reads
@@ -46,7 +46,7 @@ SMALL_WRITE_BYTES = 256 << 10  # local writes smaller than this are gathered bef
 IOV_MAX = 1024  # buffers per writev (Linux's UIO_MAXIOV)
 WRITEBACK_BYTES = 32 << 20  # a local file being written has its writeback started every this many bytes
 
-log = logging.getLogger("hsdata.storage")
+log = logging.getLogger("hsdata.io.storage")
 T = TypeVar("T")
 
 
@@ -690,6 +690,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _new_fork_lock() -> None:
+    global _fork_lock
+    _fork_lock = threading.Lock()
+
+
+_new_fork_lock()
+os.register_at_fork(after_in_child=_new_fork_lock)  # a lock held by a parent's thread at fork would never open
+
+
 class _FileCache:
     """Read-only file descriptors kept open across reads; idle ones beyond the limit are closed (LRU).
 
@@ -708,9 +717,11 @@ class _FileCache:
     @contextmanager
     def use(self, key: str) -> Iterator[int]:
         if self._pid != os.getpid():
-            for fd, _ in self._fds.values():
-                os.close(fd)  # the child's copies; the parent's stay open
-            self._reset()
+            with _fork_lock:  # once, however many of the child's threads arrive together
+                if self._pid != os.getpid():
+                    for fd, _ in self._fds.values():
+                        os.close(fd)  # the child's copies; the parent's stay open
+                    self._reset()
         with self._lock:
             entry = self._fds.get(key)
             if entry is None:
