@@ -1,16 +1,17 @@
-"""Memory for batches: blocks taken in turn from one large mapping (an *arena*) and reclaimed in turn once unused.
+"""Memory for batches: blocks taken in turn from one large mapping (an *arena*), reused once nothing refers to them.
 
-Batches are made and dropped in about the order they are read, so their memory is a ring: each block is taken
-where the last one ended, and the oldest blocks come back as soon as nothing refers to them, whatever their
-sizes. Steady state touches no fresh page (no page faults) and pins nothing anew, and holds about what is in
-flight. A block is in use while any tensor made over it (or a view of one) lives: each block is a memoryview of
-the arena that its tensors hold, and its reference count says when it is free. When the ring is full (a batch
-kept alive for long, or a larger one in flight), a larger arena takes over and the old one goes once unused.
+Batches are made and dropped in about the order they are read, so their memory works as a ring: each block is
+taken where the last one ended, and blocks behind it come back as soon as nothing refers to them, whatever their
+sizes. A batch kept alive for long is stepped around (the next block goes in the first gap after the newest one
+that fits), so it holds its own bytes and no more. Steady state touches no fresh page (no page faults), pins
+nothing anew, and holds about what is in flight. A block is in use while any tensor made over it (or a view of
+one) lives: each block is a memoryview of the arena that its tensors hold, and its reference count says when it
+is free. When no gap fits, a larger arena takes over and the old one goes once unused.
 """
 
 from __future__ import annotations
 
-import collections
+import bisect
 import mmap
 import os
 import sys
@@ -24,7 +25,7 @@ from . import pinned as pinning
 from .buffers import release_retired, retire
 
 ALIGN = 4096  # blocks start on page boundaries
-MIN_ARENA_BYTES = 64 << 20
+MIN_ARENA_BYTES = 16 << 20
 GROWTH = 1.5  # a new arena holds 1.5 times what was in flight when the last one filled, with the new block
 FREE_REFS = 2  # references to an unused block's view while it is tested: the block's, the call's argument
 
@@ -47,34 +48,32 @@ class Arena:
     fd: int | None  # the memfd behind a shared arena
     pinned: bool
     address: int
-    blocks: collections.deque = field(default_factory=collections.deque)  # in the order they were taken
-    head: int = 0
+    blocks: list[Block] = field(default_factory=list)  # in use, by offset
+    head: int = 0  # where the newest block ends
 
     @property
     def size(self) -> int:
         return len(self.buffer)
 
     def reclaim(self) -> None:
-        while self.blocks and self.blocks[0].free():
-            self.blocks.popleft()
+        self.blocks = [block for block in self.blocks if not block.free()]
         if not self.blocks:
             self.head = 0
 
     def place(self, nbytes: int) -> int | None:
-        """Where a block of ``nbytes`` fits after the newest one (wrapping to the start), or None."""
+        """The first gap from the newest block on (wrapping to the start) that holds ``nbytes``, or None."""
         need = _aligned(nbytes)
-        if not self.blocks:
-            return 0 if need <= self.size else None
-        tail = self.blocks[0].offset
-        if self.head > tail:  # the newest block lies after the oldest: room at the end, then at the start
-            if self.head + need <= self.size:
-                return self.head
-            return 0 if need <= tail else None
-        return self.head if self.head + need <= tail else None  # wrapped: room between newest and oldest
+        starts = [b.offset for b in self.blocks]
+        after = bisect.bisect_left(starts, self.head)
+        ends = [b.offset + _aligned(b.nbytes) for b in self.blocks]
+        gaps = [(self.head, starts[after] if after < len(starts) else self.size)]
+        gaps += [(ends[k], starts[k + 1] if k + 1 < len(starts) else self.size) for k in range(after, len(starts))]
+        gaps += [(0 if k == 0 else ends[k - 1], starts[k]) for k in range(0, after + 1) if k < len(starts)]
+        return next((start for start, end in gaps if end - start >= need), None)
 
     def take(self, offset: int, nbytes: int) -> Block:
         block = Block(offset, nbytes, memoryview(self.buffer)[offset : offset + nbytes])
-        self.blocks.append(block)
+        bisect.insort(self.blocks, block, key=lambda b: b.offset)
         self.head = offset + _aligned(nbytes)
         return block
 
@@ -161,7 +160,7 @@ class Ring:
             return False
 
     def _new_arena(self, nbytes: int, last: Arena | None) -> Arena:
-        live = sum(_aligned(b.nbytes) for b in last.blocks) if last is not None else 0
+        live = sum(_aligned(b.nbytes) for b in last.blocks) if last is not None else 0  # in flight, and kept
         size = _aligned(max(self.min_arena_bytes, int(GROWTH * (live + nbytes))))
         fd = None
         if self.shared:
