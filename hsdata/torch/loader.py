@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..io import pinned as pinning
 from ..io import segments
-from ..io.ring import GROWTH, MIN_ARENA_BYTES, Ring
+from ..io.ring import Ring
 from ..io.segments import SharedBatch
 from ..io.threads import ProcessLocalPool
 from .batches import Layout
@@ -20,7 +20,7 @@ from .device import to_device
 from .readahead import BatchReads, ReadAhead, default_threads
 from .samplers import ShardAwareSampler
 
-DEFAULT_PREFETCH_BYTES = 1 << 30
+PREFETCH_BYTES_PER_THREAD = 64 << 20  # batches read ahead: about two samples in flight per thread
 
 
 class Loader:
@@ -53,14 +53,14 @@ class Loader:
                  num_workers: int = 0, multiprocessing_context: str | None = None, prefetch_factor: int = 2,
                  persistent_workers: bool = False, worker_init_fn: Callable[[int], None] | None = None,
                  timeout: float = 0,
-                 threads: int | None = None, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+                 threads: int | None = None, prefetch_bytes: int | None = None,
                  device: torch.device | str | None = None, ahead: int = 1, pin_memory: bool | None = None):
         if not isinstance(dataset, BatchReads):
             raise TypeError(f"Loader reads an hsdata Eagle3Dataset or Mixture, got {type(dataset).__name__}")
         if batch_sampler is not None and (sampler is not None or batch_size != 1 or drop_last):
             raise ValueError("batch_sampler is exclusive with sampler, batch_size and drop_last")
         for name, value, least in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
-                                   ("prefetch_factor", prefetch_factor, 1), ("prefetch_bytes", prefetch_bytes, 0),
+                                   ("prefetch_factor", prefetch_factor, 1), ("prefetch_bytes", prefetch_bytes or 0, 0),
                                    ("threads", threads or 1, 1), ("ahead", ahead, 0)):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
@@ -71,7 +71,8 @@ class Loader:
         self.num_workers, self.multiprocessing_context = num_workers, multiprocessing_context
         self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
         self.worker_init_fn, self.timeout = worker_init_fn, timeout
-        self.threads, self.prefetch_bytes = threads or default_threads(), prefetch_bytes
+        self.threads = threads or default_threads()
+        self.prefetch_bytes = self.threads * PREFETCH_BYTES_PER_THREAD if prefetch_bytes is None else prefetch_bytes
         self.device = None if device is None else torch.device(device)
         self.ahead = ahead
         self.pin_memory = (self.device is not None and self.device.type == "cuda") if pin_memory is None else pin_memory
@@ -126,8 +127,7 @@ class Loader:
 
     def _read_here(self, units: collections.deque[int]) -> Iterator[Any]:
         if self._buffers is None:
-            self._buffers = Ring(pinned=self.pin_memory and pinning.available(),
-                                 min_arena_bytes=max(MIN_ARENA_BYTES, int(GROWTH * self.prefetch_bytes)))
+            self._buffers = Ring(pinned=self.pin_memory and pinning.available())
         start = partial(self.dataset.start_batch, layout=self.layout, take=self._buffers.take, pool=self._pool)
         ahead = ReadAhead(start, self._positions(units), self.prefetch_bytes)
         try:

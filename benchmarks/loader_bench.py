@@ -1,0 +1,462 @@
+"""The training read path: epochs delivered to the GPU (or host memory without CUDA) by hsdata's Loader and by a
+plain DataLoader with collate_eagle3, against raw reads of the same bytes, hsdata's own ``store[i]`` on all
+cores, and the formats users pick instead (per-sample safetensors and ``torch.save`` files, MDS, LitData), all
+on the same samples in one run.
+
+Every pass reads every sample once in a shuffled order (``ShardAwareSampler`` for hsdata; the same order for the
+per-sample files; MDS and LitData shuffle with their own loaders), batch size 1 unless a row says 4 (padded).
+"To the GPU": each batch's tensors arrive on the GPU and the loop waits for them (the current stream is
+synchronized per batch; hsdata's Loader copies on its side stream, the others use ``.cuda(non_blocking=True)``
+from ``DataLoader(pin_memory=True)``). Without CUDA every reader's states are touched once per 4 KiB page. Figures
+are GB/s of the samples' states (padding not counted) and ratios against baselines of the same run:
+
+  raw ranges   the samples' byte ranges cut at 8 MiB, read by --threads threads into reused (pinned) buffers
+               and copied to the GPU: the physical limit, also cold
+  raw files    every shard file read from start to end with 8 MiB reads on --threads threads (the kernel's
+               read-ahead), same bytes plus chunk checksums
+  store[i]     hsdata.open(path, concurrency=--threads) read by --threads threads, one sample each, host memory
+
+Sections (``--parts``): ``warm`` and ``cold`` (page cache dropped before each pass; needs root), ``ranks``
+(--ranks processes, each its sampler's share of one epoch, host delivery, together) and ``consumer`` (a GPU step
+of fixed cost per token sized to --tokens-per-s: the share of time the GPU waits for data). Medians over
+--repeat interleaved passes; warm passes follow untimed ones, and every reader is made once and reused, as a
+training job reuses its loader.
+
+    python benchmarks/loader_bench.py --dir /tmp/hsbench-loader --gib 1 --hidden 4096 --workers 2
+    python benchmarks/loader_bench.py --dir /tmp/hsbench-loader --gib 6 --workers 8 --parts warm cold ranks consumer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+import hsdata
+from formats_bench import (LAYERS, SpeculatorsDir, make_samples, write_hsdata, write_litdata, write_mds,
+                           write_specforge, write_speculators)
+from dataset_bench import TorchSaveDir
+from read_bench import drop_caches, make_lengths
+from hsdata.layout import shard_key
+from hsdata.shard import token_ranges
+from hsdata.torch import Eagle3Dataset, Loader, ShardAwareSampler, collate_eagle3
+
+RANGE = 8 << 20
+FORMATS = ("safetensors", "torch.save", "mds", "litdata")
+STARTED = time.perf_counter()
+GPU = torch.cuda.is_available()
+
+
+def log(message: str) -> None:
+    print(f"[loader_bench {time.perf_counter() - STARTED:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# ---- delivering a batch: to the GPU, or (host) touching each page of its states ----
+
+STATES = ("aux_hidden_states", "hidden_states", "aux_hidden_state", "hidden_state", "target",
+          "base_model_outputs")
+
+
+def deliver(batch) -> None:
+    if GPU:
+        moved = _to_gpu(batch)
+        torch.cuda.current_stream().synchronize()
+        del moved
+    else:
+        _touch(batch)
+
+
+def _to_gpu(value):
+    if isinstance(value, torch.Tensor):
+        return value if value.is_cuda else value.cuda(non_blocking=True)
+    if isinstance(value, dict):
+        return {k: _to_gpu(v) for k, v in value.items()}
+    return value
+
+
+def _touch(value) -> None:
+    if isinstance(value, dict):
+        for key, v in value.items():
+            if key in STATES:
+                _touch(v)
+    elif isinstance(value, torch.Tensor) and value.numel():
+        value.reshape(-1).view(torch.uint8)[::4096].sum()
+
+
+def epoch(batches) -> int:
+    """Run ``batches`` to the end, delivering each; the number of batches."""
+    count = 0
+    for batch in batches:
+        deliver(batch)
+        count += 1
+    if GPU:
+        torch.cuda.synchronize()
+    return count
+
+
+# ---- baselines ----
+
+class RawRanges:
+    """The samples' byte ranges (each tensor's, per shard, cut at 8 MiB) read by ``threads`` threads into reused
+    buffers (pinned with CUDA), each copied to the GPU on its thread's stream."""
+
+    def __init__(self, store_path: str, order, threads: int, whole_files: bool = False):
+        store = hsdata.open(store_path)
+        self.root, self.threads = store_path, threads
+        if whole_files:
+            files = sorted({os.path.join(store_path, shard_key(store.location(i)[0], t, s))
+                            for i in range(len(store)) for t in store.spec.tensors
+                            for s in {r.shard for r in token_ranges(store.spec, t, *store.location(i)[1:])}})
+            self.jobs = [[(path, start, min(RANGE, os.path.getsize(path) - start))
+                          for start in range(0, os.path.getsize(path), RANGE)] for path in files]
+        else:
+            ranges = []
+            for i in order:
+                part, offset, length = store.location(int(i))
+                for t in store.spec.tensors:
+                    for r in token_ranges(store.spec, t, offset, length):
+                        path = os.path.join(store_path, shard_key(part, t, r.shard))
+                        for start in range(r.file_start, r.file_end, RANGE):
+                            ranges.append((path, start, min(RANGE, r.file_end - start)))
+            self.jobs = [[job] for job in ranges]
+        self.nbytes = sum(n for job in self.jobs for _, _, n in job)
+        self._buffers = [torch.empty(RANGE, dtype=torch.uint8, pin_memory=GPU) for _ in range(threads)]
+        self._streams = [torch.cuda.Stream() for _ in range(threads)] if GPU else None
+        self._gpu = [torch.empty(RANGE, dtype=torch.uint8, device="cuda") for _ in range(threads)] if GPU else None
+
+    def __call__(self) -> int:
+        fds: dict[str, int] = {}
+        for path in {p for job in self.jobs for p, _, _ in job}:
+            fds[path] = os.open(path, os.O_RDONLY)
+        slots = list(range(self.threads))
+        lock = threading.Lock()
+
+        def run(job) -> int:
+            with lock:
+                slot = slots.pop()
+            try:
+                total = 0
+                for path, start, n in job:
+                    view = self._buffers[slot][:n]
+                    got = os.preadv(fds[path], [memoryview(view.numpy())], start)
+                    if GPU:
+                        with torch.cuda.stream(self._streams[slot]):
+                            self._gpu[slot][:n].copy_(view, non_blocking=True)
+                        self._streams[slot].synchronize()
+                    total += got
+                return total
+            finally:
+                with lock:
+                    slots.append(slot)
+
+        try:
+            with ThreadPoolExecutor(self.threads) as pool:
+                return sum(pool.map(run, self.jobs))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+
+def store_threads(store, order, threads: int) -> int:
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(1 for _ in pool.map(lambda i: store[int(i)], order))
+
+
+# ---- hsdata's readers, made once and reused ----
+
+def hsdata_loader(path: str, threads: int, workers: int, batch: int, verify: bool, device) -> tuple:
+    dataset = Eagle3Dataset(path, verify=verify)
+    sampler = ShardAwareSampler(dataset, seed=0)
+    loader = Loader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, threads=threads,
+                    multiprocessing_context="fork" if workers else None, persistent_workers=workers > 0,
+                    device=device)
+    return loader
+
+
+def hsdata_dataloader(path: str, workers: int, batch: int) -> DataLoader:
+    dataset = Eagle3Dataset(path)
+    return DataLoader(dataset, batch_size=batch, sampler=ShardAwareSampler(dataset, seed=0),
+                      collate_fn=collate_eagle3, num_workers=workers, pin_memory=GPU,
+                      multiprocessing_context="fork" if workers else None, persistent_workers=workers > 0)
+
+
+def map_loader(dataset, order, workers: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=None, sampler=[int(i) for i in order], num_workers=workers,
+                      pin_memory=GPU, multiprocessing_context="fork" if workers else None,
+                      persistent_workers=workers > 0)
+
+
+def mds_loader(root: str, workers: int):
+    import streaming
+
+    ds = streaming.StreamingDataset(local=root, remote=None, shuffle=True, batch_size=1)
+    return streaming.StreamingDataLoader(ds, batch_size=1, num_workers=workers, pin_memory=GPU,
+                                         persistent_workers=workers > 0)
+
+
+def litdata_loader(root: str, workers: int):
+    import litdata
+
+    ds = litdata.StreamingDataset(root, shuffle=True)
+    return litdata.StreamingDataLoader(ds, batch_size=1, num_workers=workers, pin_memory=GPU)
+
+
+# ---- running methods ----
+
+def measure(methods: dict, *, mode: str, repeat: int) -> dict[str, list[float]]:
+    """Seconds per pass of each method, interleaved; each warm pass right after an untimed one (a VM's memory
+    manager may drop pages left idle for seconds), the first also after a pass that sizes the reader's memory."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    if mode == "warm":
+        for name, run in methods.items():
+            log(f"warm-up: {name}")
+            run()
+    for r in range(repeat):
+        for name, run in methods.items():
+            if mode == "cold":
+                drop_caches()
+            else:
+                run()
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+            log(f"{mode} {r + 1}/{repeat} {name}: {times[name][-1]:.2f} s")
+    return times
+
+
+def rows(times: dict[str, list[float]], gb: float, baselines: dict[str, str]) -> list[dict]:
+    out = []
+    for name, t in times.items():
+        row = {"method": name, "seconds": float(np.median(t)), "all_seconds": t, "gb_per_s": gb / float(np.median(t))}
+        for label, base in baselines.items():
+            if base in times:
+                row[label] = float(np.median(times[base])) / row["seconds"]
+        out.append(row)
+    return out
+
+
+def _rank_epoch(path: str, rank: int, world: int, threads: int, barrier, results) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    dataset = Eagle3Dataset(path)
+    sampler = ShardAwareSampler(dataset, seed=0, rank=rank, world_size=world, drop_last=True)
+    loader = Loader(dataset, batch_size=1, sampler=sampler, threads=threads)
+    nbytes = int(dataset.lengths[list(sampler)].sum()) * dataset.store.spec.token_nbytes
+    for _ in range(int(os.environ.get("HSBENCH_WARM", "1"))):
+        for batch in loader:
+            _touch(batch)
+    barrier.wait()
+    started = time.perf_counter()
+    for batch in loader:
+        _touch(batch)
+    results.put((rank, started, time.perf_counter(), nbytes))
+
+
+def ranks(path: str, world: int, threads: int, cold: bool) -> dict:
+    """``world`` processes, each its sampler's share (Loader, threads each), host memory; GB/s together."""
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(world + 1), context.Queue()
+    os.environ["HSBENCH_WARM"] = "0" if cold else "1"
+    procs = [context.Process(target=_rank_epoch, args=(path, r, world, threads, barrier, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    if cold:
+        drop_caches()
+    barrier.wait()
+    done = [results.get() for _ in procs]
+    for p in procs:
+        p.join()
+    start, end = min(d[1] for d in done), max(d[2] for d in done)
+    nbytes = sum(d[3] for d in done)
+    return {"ranks": world, "threads_each": threads, "mode": "cold" if cold else "warm", "seconds": end - start,
+            "gb_per_s": nbytes / (end - start) / 1e9}
+
+
+def consumer(loader, token_nbytes: int, tokens_per_s: float) -> dict:
+    """A GPU step of fixed cost per token (torch.cuda._sleep, calibrated): the share of the epoch the GPU waits."""
+    probe = 50_000_000
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    torch.cuda.synchronize()
+    cycles_per_s = probe / (start.elapsed_time(end) / 1e3)
+    step_s, tokens = 0.0, 0
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for batch in loader:
+        n = int(batch["attention_mask"].sum())  # tokens of the batch (on the GPU already)
+        tokens += n
+        torch.cuda._sleep(int(cycles_per_s * n / tokens_per_s))
+        step_s += n / tokens_per_s
+        torch.cuda.current_stream().synchronize()
+    wall = time.perf_counter() - started
+    return {"seconds": wall, "step_seconds": step_s, "waiting": max(0.0, 1 - step_s / wall),
+            "tokens_per_s": tokens / wall, "gb_per_s": tokens * token_nbytes / wall / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", required=True, help="scratch directory (emptied unless --reuse)")
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tokens-per-s", type=float, default=25_000.0)
+    parser.add_argument("--parts", nargs="+", default=["warm", "cold", "ranks", "consumer"],
+                        choices=["warm", "cold", "ranks", "consumer"])
+    parser.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS)
+    parser.add_argument("--reuse", action="store_true", help="keep the stores of an earlier run in --dir")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    cold_parts = {"cold"} & set(args.parts) or ({"ranks"} & set(args.parts))
+    if cold_parts and os.geteuid() != 0:
+        sys.exit("needs root: cold passes drop the page cache")
+    roots = {name: os.path.join(args.dir, name) for name in ("hsdata", *FORMATS)}
+    meta = os.path.join(args.dir, "samples.json")
+    if not (args.reuse and os.path.exists(meta)):
+        shutil.rmtree(args.dir, ignore_errors=True)
+        os.makedirs(args.dir)
+        lengths = make_lengths(np.random.default_rng(0), int(args.gib * 2**30 / (2 * args.hidden * (LAYERS + 1))))
+        log(f"writing {len(lengths)} samples, {sum(lengths)} tokens, H {args.hidden}, in {1 + len(args.formats)} formats")
+        samples = make_samples(lengths, args.hidden, 0)
+        writers = {"hsdata": write_hsdata, "safetensors": write_speculators, "torch.save": write_specforge,
+                   "mds": write_mds, "litdata": write_litdata}
+        for name in ("hsdata", *args.formats):
+            os.makedirs(roots[name])
+            writers[name](roots[name], samples)
+            log(f"wrote {name}")
+        del samples
+        with open(meta, "w") as f:
+            json.dump({"count": len(lengths), "formats": args.formats}, f)
+    count = json.load(open(meta))["count"]
+    store = hsdata.open(roots["hsdata"], concurrency=args.threads)
+    plain = hsdata.open(roots["hsdata"], concurrency=args.threads, verify=False)
+    order = list(ShardAwareSampler(Eagle3Dataset(roots["hsdata"]), seed=0))
+    gb = store.num_tokens * store.spec.token_nbytes / 1e9
+    device = "cuda" if GPU else None
+    W = args.workers
+    result = {"args": vars(args), "samples": count, "tokens": store.num_tokens, "state_gb": gb,
+              "machine": f"{platform.node()}: {os.cpu_count()} cores, {torch.cuda.get_device_name() if GPU else 'no GPU'}",
+              "versions": {"torch": torch.__version__, "hsdata": hsdata.__version__}, "delivery": "GPU" if GPU else "host"}
+
+    def hs(workers, batch, verify=True):
+        loader = hsdata_loader(roots["hsdata"], args.threads, workers, batch, verify, device)
+        return partial(epoch, loader)
+
+    def formats(workers):
+        methods = {}
+        for name in args.formats:
+            if name == "safetensors":
+                methods[f"safetensors, {workers} workers"] = partial(epoch, map_loader(
+                    SpeculatorsDir(roots[name], count), order, workers))
+            elif name == "torch.save":
+                methods[f"torch.save, {workers} workers"] = partial(epoch, map_loader(
+                    TorchSaveDir(roots[name], count), order, workers))
+            elif name == "mds":
+                methods[f"mds, {workers} workers"] = partial(epoch, mds_loader(roots[name], workers))
+            else:
+                methods[f"litdata, {workers} workers"] = partial(epoch, litdata_loader(roots[name], workers))
+        return methods
+
+    baselines = {"x_raw": "raw ranges", "x_store": f"store[i] {args.threads} thr"}
+    if "warm" in args.parts:
+        methods = {
+            "raw ranges": RawRanges(roots["hsdata"], order, args.threads),
+            f"store[i] {args.threads} thr": partial(store_threads, store, order, args.threads),
+            f"store[i] {args.threads} thr, verify off": partial(store_threads, plain, order, args.threads),
+            f"store[i] 1 thr": partial(store_threads, store, order, 1),
+            "Loader, 0 workers": hs(0, 1), "Loader, 0 workers, batch 4": hs(0, 4),
+            "Loader, 0 workers, verify off": hs(0, 1, verify=False),
+            "Loader, 0 workers, batch 4, verify off": hs(0, 4, verify=False),
+            f"Loader, {W} workers": hs(W, 1), f"Loader, {W} workers, batch 4": hs(W, 4),
+            "DataLoader + collate_eagle3, 0 workers": partial(epoch, hsdata_dataloader(roots["hsdata"], 0, 1)),
+            "DataLoader + collate_eagle3, 0 workers, batch 4": partial(epoch, hsdata_dataloader(roots["hsdata"], 0, 4)),
+            f"DataLoader + collate_eagle3, {W} workers": partial(epoch, hsdata_dataloader(roots["hsdata"], W, 1)),
+            f"DataLoader + collate_eagle3, {W} workers, batch 4": partial(
+                epoch, hsdata_dataloader(roots["hsdata"], W, 4)),
+            **formats(0), **formats(W),
+        }
+        result["warm"] = rows(measure(methods, mode="warm", repeat=args.repeat), gb, baselines)
+        del methods
+    if "cold" in args.parts:
+        methods = {
+            "raw ranges": RawRanges(roots["hsdata"], order, args.threads),
+            "raw files": RawRanges(roots["hsdata"], order, args.threads, whole_files=True),
+            "Loader, 0 workers": hs(0, 1), "Loader, 0 workers, batch 4": hs(0, 4),
+            f"Loader, {W} workers": hs(W, 1), f"Loader, {W} workers, batch 4": hs(W, 4),
+            **formats(W),
+        }
+        result["cold"] = rows(measure(methods, mode="cold", repeat=args.repeat), gb,
+                              {"x_raw": "raw ranges", "x_raw_files": "raw files"})
+        del methods
+    if "ranks" in args.parts:
+        result["ranks"] = [ranks(roots["hsdata"], args.ranks, max(1, args.threads // args.ranks), cold)
+                           for cold in (False, True)]
+        log(f"ranks: {result['ranks']}")
+    if "consumer" in args.parts:
+        if not GPU:
+            result["consumer"] = "skipped: needs a CUDA GPU"
+        else:
+            result["consumer"] = []
+            for workers, batch in ((0, 1), (0, 4), (W, 1), (W, 4)):
+                loader = hsdata_loader(roots["hsdata"], args.threads, workers, batch, True, device)
+                epoch(loader)  # warm
+                row = consumer(loader, store.spec.token_nbytes, args.tokens_per_s)
+                result["consumer"].append({"workers": workers, "batch": batch, **row})
+                log(f"consumer: {result['consumer'][-1]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    a = result["args"]
+    lines = [f"{result['samples']} samples, {result['tokens']:,} tokens, {result['state_gb']:.2f} GB of states, "
+             f"H {a['hidden']}, 3 aux layers + final, bf16, shuffled; delivered to the {result['delivery']}; "
+             f"{a['threads']} threads, {a['workers']} workers; medians of {a['repeat']} passes; {result['machine']}."]
+
+    def table(title, header, body):
+        lines.extend(["", title, "", "| " + " | ".join(header) + " |",
+                      "|---|" + "---:|" * (len(header) - 1),
+                      *("| " + " | ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in row) + " |"
+                        for row in body)])
+
+    for mode in ("warm", "cold"):
+        if mode in result:
+            keys = [k for k in ("x_raw", "x_store", "x_raw_files") if k in result[mode][0]]
+            table(f"**{mode}**", ["method", "s", "GB/s", *(k.replace("_", " ") for k in keys)],
+                  [[r["method"], r["seconds"], r["gb_per_s"], *(r.get(k, float("nan")) for k in keys)]
+                   for r in result[mode]])
+    if "ranks" in result:
+        table("**ranks on one node** (host delivery, together)", ["mode", "ranks", "threads each", "s", "GB/s"],
+              [[r["mode"], r["ranks"], r["threads_each"], r["seconds"], r["gb_per_s"]] for r in result["ranks"]])
+    if isinstance(result.get("consumer"), list):
+        table(f"**a training step of {a['tokens_per_s']:,.0f} tokens/s on the GPU, warm**",
+              ["workers", "batch", "GPU waiting", "tokens/s", "GB/s"],
+              [[r["workers"], r["batch"], f"{100 * r['waiting']:.1f}%", f"{r['tokens_per_s']:,.0f}", r["gb_per_s"]]
+               for r in result["consumer"]])
+    elif "consumer" in result:
+        lines += ["", f"consumer: {result['consumer']}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
