@@ -1,12 +1,12 @@
-"""Memory for batches: blocks taken in turn from one large mapping (an *arena*), reused once nothing refers to them.
+"""Memory for batches: blocks taken from one large mapping (an *arena*) and reused once nothing refers to them.
 
-Batches are made and dropped in about the order they are read, so their memory works as a ring: each block is
-taken where the last one ended, and blocks behind it come back as soon as nothing refers to them, whatever their
-sizes. A batch kept alive for long is stepped around (the next block goes in the first gap after the newest one
-that fits), so it holds its own bytes and no more. Steady state touches no fresh page (no page faults), pins
-nothing anew, and holds about what is in flight. A block is in use while any tensor made over it (or a view of
-one) lives: each block is a memoryview of the arena that its tensors hold, and its reference count says when it
-is free. When no gap fits, a larger arena takes over and the old one goes once unused.
+Each block goes in the lowest gap of the arena that holds it. Batches are made and dropped in about the order
+they are read, so the blocks behind the newest ones keep coming free, whatever their sizes, and the pages in use
+stay those of about what is in flight; a batch kept alive for long is stepped around, holding its own bytes and
+no more. Steady state touches no fresh page (no page faults) and pins nothing anew. A block is in use while any
+tensor made over it (or a view of one) lives: each block is a memoryview of the arena that its tensors hold, and
+its reference count says when it is free. When no gap fits, a larger arena takes over and the old one goes once
+unused.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class Arena:
     pinned: bool
     address: int
     blocks: list[Block] = field(default_factory=list)  # in use, by offset
-    head: int = 0  # where the newest block ends
 
     @property
     def size(self) -> int:
@@ -57,24 +56,19 @@ class Arena:
 
     def reclaim(self) -> None:
         self.blocks = [block for block in self.blocks if not block.free()]
-        if not self.blocks:
-            self.head = 0
 
     def place(self, nbytes: int) -> int | None:
-        """The first gap from the newest block on (wrapping to the start) that holds ``nbytes``, or None."""
-        need = _aligned(nbytes)
-        starts = [b.offset for b in self.blocks]
-        after = bisect.bisect_left(starts, self.head)
-        ends = [b.offset + _aligned(b.nbytes) for b in self.blocks]
-        gaps = [(self.head, starts[after] if after < len(starts) else self.size)]
-        gaps += [(ends[k], starts[k + 1] if k + 1 < len(starts) else self.size) for k in range(after, len(starts))]
-        gaps += [(0 if k == 0 else ends[k - 1], starts[k]) for k in range(0, after + 1) if k < len(starts)]
-        return next((start for start, end in gaps if end - start >= need), None)
+        """The first gap from the start of the arena that holds ``nbytes``, or None."""
+        need, start = _aligned(nbytes), 0
+        for block in self.blocks:
+            if block.offset - start >= need:
+                return start
+            start = block.offset + _aligned(block.nbytes)
+        return start if self.size - start >= need else None
 
     def take(self, offset: int, nbytes: int) -> Block:
         block = Block(offset, nbytes, memoryview(self.buffer)[offset : offset + nbytes])
         bisect.insort(self.blocks, block, key=lambda b: b.offset)
-        self.head = offset + _aligned(nbytes)
         return block
 
     def unused(self) -> bool:
@@ -129,8 +123,15 @@ class Ring:
             block = arena.take(offset, nbytes)
         return arena, torch.frombuffer(block.view, dtype=torch.uint8)
 
+    def trim(self) -> None:
+        """Let earlier arenas that no block uses any more go now (rather than at the next take)."""
+        with self._lock:
+            if self._pid == os.getpid():
+                self._release_unused()
+
     @property
     def held_bytes(self) -> int:
+        """Bytes of the arenas held: the one taking blocks, and earlier ones that blocks still use."""
         return sum(a.size for a in self._arenas)
 
     def locate(self, address: int) -> tuple[Arena, Block] | None:

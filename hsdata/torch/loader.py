@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..io import pinned as pinning
 from ..io import segments
-from ..io.ring import Ring
+from ..io.ring import MIN_ARENA_BYTES, Ring
 from ..io.segments import SharedBatch
 from ..io.threads import ProcessLocalPool
 from .batches import Layout
@@ -127,7 +127,8 @@ class Loader:
 
     def _read_here(self, units: collections.deque[int]) -> Iterator[Any]:
         if self._buffers is None:
-            self._buffers = Ring(pinned=self.pin_memory and pinning.available())
+            self._buffers = Ring(pinned=self.pin_memory and pinning.available(),  # room for the read-ahead
+                                 min_arena_bytes=self.prefetch_bytes + self.prefetch_bytes // 4 + MIN_ARENA_BYTES)
         start = partial(self.dataset.start_batch, layout=self.layout, take=self._buffers.take, pool=self._pool)
         ahead = ReadAhead(start, self._positions(units), self.prefetch_bytes)
         try:
@@ -135,6 +136,7 @@ class Loader:
                 yield pending.result().batch()
         finally:
             ahead.close()
+            self._buffers.trim()
 
     def _read_in_workers(self, units: collections.deque[int]) -> Iterator[Any]:
         if self._workers is None:
