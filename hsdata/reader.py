@@ -214,23 +214,6 @@ class Store:
             raise CorruptDataError(f"sample {reads[done].sample_id!r}: {e}") from None
         return [self._finish(plan) for plan in plans]
 
-    def will_need(self, indices: Sequence[int]) -> None:
-        """Let a local store's disk start reading these samples now, without waiting (the kernel reads them into
-        the page cache): a reader that knows its coming samples keeps the disk's queue deep with few threads.
-        Nothing for a remote or compressed store, or a sample whose files are missing (its read will say so)."""
-        if not self._storage.is_local:
-            return
-        for i in indices:
-            part, offset, length = self.location(i)
-            for tensor in self.spec.tensors:
-                if tensor.compression is not None:
-                    continue
-                for r in token_ranges(self.spec, tensor, offset, length):
-                    try:
-                        self._storage.will_need(shard_key(part, tensor, r.shard), r.file_start, r.file_end - r.file_start)
-                    except OSError:
-                        return
-
     def storage_order(self) -> np.ndarray:
         """Sample positions in the order their bytes lie on disk (part, then token offset)."""
         return sampling.storage_order(self._part_of, self._offsets)

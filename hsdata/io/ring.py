@@ -26,7 +26,9 @@ from .buffers import release_retired, retire
 
 ALIGN = 4096  # blocks start on page boundaries
 MIN_ARENA_BYTES = 16 << 20
-GROWTH = 1.5  # a new arena holds 1.5 times what was in flight when the last one filled, with the new block
+GROWTH = 2  # a new arena holds twice what was in flight when the last one filled, with the new block
+FIRST_BLOCKS = 8  # the first arena holds this many blocks of the first size asked for: a batch queue's worth
+# (a new arena costs its pages' first faults, and pinning it: growth should be rare)
 FREE_REFS = 2  # references to an unused block's view while it is tested: the block's, the call's argument
 
 
@@ -161,15 +163,18 @@ class Ring:
             return False
 
     def _new_arena(self, nbytes: int, last: Arena | None) -> Arena:
-        live = sum(_aligned(b.nbytes) for b in last.blocks) if last is not None else 0  # in flight, and kept
-        size = _aligned(max(self.min_arena_bytes, int(GROWTH * (live + nbytes))))
+        if last is None:
+            size = _aligned(max(self.min_arena_bytes, FIRST_BLOCKS * nbytes))
+        else:
+            live = sum(_aligned(b.nbytes) for b in last.blocks)  # in flight, and kept
+            size = _aligned(max(self.min_arena_bytes, GROWTH * (live + nbytes)))
         fd = None
         if self.shared:
             fd = os.memfd_create("hsdata-batches", os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
             buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        else:
-            buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:  # shared, not private: fork copies a private mapping's pinned pages into the child at once
+            buffer = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         if self.pinned:
             pinning.register(buffer)
         arena = Arena(self._count, buffer, fd, self.pinned, torch.frombuffer(buffer, dtype=torch.uint8).data_ptr())

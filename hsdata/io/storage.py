@@ -293,13 +293,6 @@ class Storage:
         with self._files.use(key) as fd:
             return os.preadv(fd, buffers, offset)
 
-    def will_need(self, key: str, offset: int, nbytes: int) -> None:
-        """Local only: ask the kernel to start reading ``nbytes`` at ``offset`` now (``POSIX_FADV_WILLNEED``),
-        so that reads issued later find them in the page cache or on their way; no-op where unsupported."""
-        if hasattr(os, "posix_fadvise"):
-            with self._files.use(key) as fd:
-                os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-
     def close(self) -> None:
         if self._files is not None:
             self._files.close()

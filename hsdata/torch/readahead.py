@@ -35,11 +35,8 @@ class Pending:
         self._tensors = views(self._plan, take(self._plan.nbytes))
         if layout.pack:
             finish_pack(self._plan, self._tensors)
-        groups = list(_groups(located, source._sample_nbytes[positions]))
-        for dataset, indices, _ in groups:
-            dataset.store.will_need(indices)  # the disk starts on them while the threads read earlier batches
         self._reads: list[Future] = [pool.submit(_read_group, dataset, indices, rows, self._plan, self._tensors)
-                                     for dataset, indices, rows in groups]
+                                     for dataset, indices, rows in _groups(located, source._sample_nbytes[positions])]
 
     def result(self) -> Built:
         """The batch, once read; a sample failing verification raises, or with ``on_error="skip"`` is replaced
