@@ -58,6 +58,11 @@ SUITE = [
     Bench("dataset", "dataset_bench.py", "a DataLoader epoch: Eagle3Dataset against raw reads and torch.save files",
           ("--dir", "{dir}", "--gib", "1", "--hidden", "4096", "--workers", "2"),
           ("--dir", "{dir}", "--gib", "3", "--workers", "4")),
+    Bench("loader", "loader_bench.py", "the training read path: Loader and DataLoader epochs to the GPU (host memory "
+          "without CUDA) against raw reads, store[i] on all cores and every other format, warm, cold, ranks of a node, "
+          "and a training-shaped consumer (GPU)",
+          ("--dir", "{dir}", "--gib", "1", "--hidden", "4096", "--workers", "2", "--ranks", "2"),
+          ("--dir", "{dir}", "--gib", "4", "--hidden", "4096", "--workers", "8", "--ranks", "8")),
     Bench("validate", "validate_bench.py", "hsdata validate against raw reads of the same files",
           ("--dir", "{dir}", "--gib", "1", "--hidden", "4096", "--workers", "2"), ("--dir", "{dir}", "--gib", "6")),
     Bench("metadata", "metadata_bench.py", "open, len and lookups from 1K to 1M samples against listing "

@@ -1,21 +1,25 @@
-"""Reading a store over HTTP range requests: hsdata vs raw parallel range GETs of the same bytes at the same
-concurrency, and vs the same samples as one object per sample (``torch.save`` files, as today's tools write).
+"""Reading a remote store: hsdata vs raw parallel range GETs of the same bytes at the same concurrency, and vs the
+same samples as one object per sample (``torch.save`` files, as today's tools write), over HTTP and S3.
 
-A static file server with Range support runs in its own process on loopback (``os.sendfile``; ``--latency-ms``
-delays every response's first byte, like an object store's time to first byte). Every method reads every sample
-once, in the order of ``ShardAwareSampler`` (shuffle on), ``--batch`` samples at a time, with ``--concurrency``
-requests in flight, all through fsspec's HTTP filesystem (aiohttp):
+``--backends``: ``http``, a static file server with Range support in its own process on loopback
+(``os.sendfile``; ``--latency-ms`` delays every response's first byte, like an object store's time to first byte),
+and ``s3``, moto's S3 server in its own process on loopback (the tests' server; no added latency). Every method
+reads every sample once, in the order of ``ShardAwareSampler`` (shuffle on), ``--batch`` samples at a time, with
+``--concurrency`` requests in flight in all (split among the worker processes where there are some), through
+fsspec (aiohttp, s3fs):
 
   raw range GETs     fs.cat_ranges of each batch's byte ranges, one per tensor and shard, cut at 8 MiB like
                      hsdata's (the same bytes, nothing checked, nothing merged)
   hsdata read_many   Store.read_many(batch): ranges merged, xxh3 of every byte verified, torch tensors
-  hsdata Dataset     Eagle3Dataset through a DataLoader (num_workers=0, batch of --batch), reading ahead
+  Dataset, W workers Eagle3Dataset through a DataLoader with collate_eagle3 (batch of --batch; 0 workers: reading
+                     ahead in the training process)
+  Loader, W workers  hsdata.torch.Loader (batch of --batch)
   per-sample objects fs.cat of the batch's torch.save files, then torch.load of each
 
 Passes are interleaved (raw, then each method, ``--repeat`` times); ``x raw`` is the median over passes of the
 raw pass's time divided by the method's pass time in the same round.
 
-    python benchmarks/remote_bench.py --dir /tmp/hsbench-remote --gib 2 --latency-ms 0 20
+    python benchmarks/remote_bench.py --dir /tmp/hsbench-remote --gib 2 --latency-ms 0 20 --backends http s3
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import multiprocessing
 import os
 import re
 import shutil
+import socket
+import subprocess
+import sys
 import time
 
 import fsspec
@@ -38,7 +45,7 @@ from torch.utils.data import DataLoader
 import hsdata
 from dataset_bench import TorchSaveDir, write_torch_save_dir
 from hsdata.layout import shard_key
-from hsdata.torch import Eagle3Dataset, ShardAwareSampler, collate_eagle3
+from hsdata.torch import Eagle3Dataset, Loader, ShardAwareSampler, collate_eagle3
 from read_bench import build, make_lengths
 
 
@@ -103,6 +110,37 @@ def sample_ranges(store: hsdata.Store, i: int, range_bytes: int) -> list[tuple[s
     return out
 
 
+BUCKET = "hsbench"
+S3_KEYS = {"key": "testing", "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}}
+
+
+def start_s3(root: str) -> tuple[subprocess.Popen, str, dict]:
+    """moto's S3 server in its own process, holding ``root``'s files under s3://hsbench/; its storage options."""
+    import boto3
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                       ("AWS_DEFAULT_REGION", "us-east-1")):
+        os.environ.setdefault(key, value)
+    client = boto3.client("s3", endpoint_url=endpoint)
+    for _ in range(100):
+        try:
+            client.create_bucket(Bucket=BUCKET)
+            break
+        except Exception:  # not listening yet
+            time.sleep(0.1)
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            client.upload_file(path, BUCKET, os.path.relpath(path, root))
+    return server, f"s3://{BUCKET}", {"endpoint_url": endpoint, **S3_KEYS}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", required=True, help="scratch directory (emptied)")
@@ -110,7 +148,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--concurrency", type=int, default=hsdata.reader.REMOTE_CONCURRENCY)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 20.0])
+    parser.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 20.0], help="http only")
+    parser.add_argument("--backends", nargs="+", choices=["http", "s3"], default=["http", "s3"])
+    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -131,10 +171,17 @@ def main() -> None:
           f"{np.mean([len(r) for r in ranges.values()]):.2f} ranges per sample; concurrency {args.concurrency}, "
           f"batch {args.batch}")
     results = []
-    for latency_ms in args.latency_ms:
-        server, base = start_server(args.dir, latency_ms / 1000)
+    runs = [("http", ms) for ms in args.latency_ms if "http" in args.backends] + \
+        ([("s3", 0.0)] if "s3" in args.backends else [])
+    for backend, latency_ms in runs:
+        if backend == "http":
+            server, base = start_server(args.dir, latency_ms / 1000)
+            options: dict | None = None
+            fs = fsspec.filesystem("http")
+        else:
+            server, base, options = start_s3(args.dir)
+            fs = fsspec.filesystem("s3", **options)
         url = f"{base}/store"
-        fs = fsspec.filesystem("http")
 
         def raw() -> int:
             total = 0
@@ -145,18 +192,27 @@ def main() -> None:
                 total += sum(len(d) for d in got)
             return total
 
-        store = hsdata.open(url, concurrency=args.concurrency)
+        store = hsdata.open(url, storage_options=options, concurrency=args.concurrency)
 
         def hsdata_read_many() -> int:
             return sum(sum(t.nbytes for t in s.values() if isinstance(t, torch.Tensor)) - 4 * len(s["input_ids"])
                        for batch in batches for s in store.read_many(batch))  # input_ids come back as int64
 
-        dataset = Eagle3Dataset(url, concurrency=args.concurrency)
+        def state_bytes(batch: dict) -> int:
+            return int(batch["attention_mask"].sum()) * local.spec.token_nbytes
 
-        def hsdata_dataset() -> int:
-            dataset.expect(order)
-            loader = DataLoader(dataset, batch_size=args.batch, sampler=order, collate_fn=list, num_workers=0)
-            return sum(len(item["input_ids"]) for batch in loader for item in batch) * local.spec.token_nbytes
+        def dataset_epoch(workers: int):
+            dataset = Eagle3Dataset(url, storage_options=options, concurrency=max(1, args.concurrency // max(1, workers)))
+            loader = DataLoader(dataset, batch_size=args.batch, sampler=ShardAwareSampler(dataset, seed=0),
+                                collate_fn=collate_eagle3, num_workers=workers, persistent_workers=workers > 0,
+                                multiprocessing_context="fork" if workers else None)
+            return lambda: sum(state_bytes(b) for b in loader)
+
+        def loader_epoch(workers: int):
+            dataset = Eagle3Dataset(url, storage_options=options, concurrency=max(1, args.concurrency // max(1, workers)))
+            loader = Loader(dataset, batch_size=args.batch, sampler=ShardAwareSampler(dataset, seed=0),
+                            num_workers=workers, persistent_workers=workers > 0, multiprocessing_context="fork")
+            return lambda: sum(state_bytes(b) for b in loader)
 
         saves = TorchSaveDir(f"{base}/torch-save", len(lengths))
 
@@ -169,7 +225,9 @@ def main() -> None:
                     total += len(item["input_ids"]) * local.spec.token_nbytes
             return total
 
-        methods = {"raw range GETs": raw, "hsdata read_many": hsdata_read_many, "hsdata Dataset": hsdata_dataset,
+        methods = {"raw range GETs": raw, "hsdata read_many": hsdata_read_many,
+                   "Dataset, 0 workers": dataset_epoch(0), f"Dataset, {args.workers} workers": dataset_epoch(args.workers),
+                   "Loader, 0 workers": loader_epoch(0), f"Loader, {args.workers} workers": loader_epoch(args.workers),
                    "per-sample objects": per_sample_objects}
         for run in methods.values():
             run()  # warm the server's page cache and the connections
@@ -184,11 +242,13 @@ def main() -> None:
         for name, t in times.items():
             seconds = float(np.median(t))
             ratios = [r / x for r, x in zip(times["raw range GETs"], t)]  # each pass against the raw one before it
-            row = {"latency_ms": latency_ms, "method": name, "seconds": seconds, "gb_per_s": gb / seconds,
-                   "samples_per_s": len(order) / seconds, "x_raw": float(np.median(ratios)), "all_seconds": t}
+            row = {"backend": backend, "latency_ms": latency_ms, "method": name, "seconds": seconds,
+                   "gb_per_s": gb / seconds, "samples_per_s": len(order) / seconds, "x_raw": float(np.median(ratios)),
+                   "all_seconds": t}
             results.append(row)
-            print(f"latency {latency_ms:4.0f} ms  {name:20} {seconds:6.2f} s  {row['gb_per_s']:5.2f} GB/s  "
+            print(f"{backend} latency {latency_ms:4.0f} ms  {name:20} {seconds:6.2f} s  {row['gb_per_s']:5.2f} GB/s  "
                   f"{row['samples_per_s']:6.1f} samples/s  x raw {row['x_raw']:4.2f}  (all {[round(x, 2) for x in t]})")
+        del methods
         store.close()
         server.kill()
     if args.json:
