@@ -169,6 +169,10 @@ class Eagle3Dataset(BatchReads, Dataset):
                 raise IndexError(f"position {i} out of range for a dataset of {len(self)} samples")
         return [(self, j) for j in self.indices[positions].tolist()]
 
+    def _sample_bytes(self, j: int) -> int:
+        """Bytes of store sample ``j``'s tensors."""
+        return int(self.store.lengths[j]) * self.store.spec.token_nbytes
+
     def _skips_corrupt(self, positions: list[int]) -> bool:
         return self.on_error == "skip"
 

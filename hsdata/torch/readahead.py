@@ -22,6 +22,7 @@ from .batches import BatchItems, Built, Layout, collate, fill_row, finish_pack, 
 
 GROUP_BYTES = 8 << 20  # neighbouring samples of a batch (of one store) read together, up to about this many bytes
 GROUP_ITEMS = 64
+LONG_SAMPLE_BYTES = 64 << 20  # a sample past this is read on the store's I/O threads, several ranges at once
 
 
 class Pending:
@@ -78,8 +79,11 @@ def _groups(located: list[tuple[Any, int]], nbytes: Sequence[int]) -> Iterator[t
 
 def _read_group(dataset, indices: list[int], rows: list[int], p, tensors) -> tuple[list[str], list | None]:
     """Read samples ``indices`` of ``dataset``'s store into batch rows ``rows``: the hidden states straight into
-    place, then the token tensors and padding."""
-    samples = dataset.store.read_many(indices, out=[hidden_rows(p, tensors, b) for b in rows], inline=True)
+    place, then the token tensors and padding. A group is read on this thread, unless it is one long sample: its
+    ranges then go to the store's I/O threads together (read one after another, it would hold back the batches
+    behind it)."""
+    inline = len(indices) > 1 or dataset._sample_bytes(indices[0]) <= LONG_SAMPLE_BYTES
+    samples = dataset.store.read_many(indices, out=[hidden_rows(p, tensors, b) for b in rows], inline=inline)
     flat_rows = flat(tensors)
     for b, sample in zip(rows, samples):
         fill_row(p, flat_rows, b, sample["input_ids"], dataset._loss_mask(sample))
