@@ -48,7 +48,7 @@ import hsdata
 from formats_bench import (LAYERS, SpeculatorsDir, make_samples, write_hsdata, write_litdata, write_mds,
                            write_specforge, write_speculators)
 from dataset_bench import TorchSaveDir
-from read_bench import drop_caches, make_lengths
+from read_bench import drop_caches, interleaved_times, make_lengths
 from hsdata.layout import shard_key
 from hsdata.shard import token_ranges
 from hsdata.torch import Eagle3Dataset, Loader, ShardAwareSampler, collate_eagle3
@@ -216,24 +216,14 @@ def litdata_loader(root: str, workers: int):
 # ---- running methods ----
 
 def measure(methods: dict, *, mode: str, repeat: int) -> dict[str, list[float]]:
-    """Seconds per pass of each method, interleaved; each warm pass right after an untimed one (a VM's memory
-    manager may drop pages left idle for seconds), the first also after a pass that sizes the reader's memory."""
-    times: dict[str, list[float]] = {name: [] for name in methods}
+    """Seconds per pass of each method, interleaved (``read_bench.interleaved_times``: each warm pass right after
+    an untimed one, as a VM's memory manager may drop pages left idle for seconds); warm, first one more pass
+    each that sizes the reader's memory."""
     if mode == "warm":
         for name, run in methods.items():
             log(f"warm-up: {name}")
             run()
-    for r in range(repeat):
-        for name, run in methods.items():
-            if mode == "cold":
-                drop_caches()
-            else:
-                run()
-            started = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - started)
-            log(f"{mode} {r + 1}/{repeat} {name}: {times[name][-1]:.2f} s")
-    return times
+    return interleaved_times(methods, mode=mode, repeat=repeat)
 
 
 def rows(times: dict[str, list[float]], gb: float, baselines: dict[str, str]) -> list[dict]:

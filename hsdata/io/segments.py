@@ -83,26 +83,36 @@ class Lender:
                 self._mapped.add(number)
 
 
-_lender: Lender | None = None
-_lender_pid = 0
-_lender_lock = threading.Lock()
+class _PerProcess:
+    """One object of ``make()`` per process, made at first use (a forked child makes its own)."""
+
+    def __init__(self, make):
+        self._make, self._value, self._pid = make, None, 0
+
+    def get(self):
+        with _lock:
+            if self._value is None or self._pid != os.getpid():
+                self._value, self._pid = self._make(), os.getpid()
+            return self._value
+
+    def made(self):
+        """This process's object if it has one, else None."""
+        return self._value if self._pid == os.getpid() else None
 
 
-def _new_lender_lock() -> None:
-    global _lender_lock
-    _lender_lock = threading.Lock()
+def _new_lock() -> None:
+    global _lock
+    _lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_new_lender_lock)
+_new_lock()
+os.register_at_fork(after_in_child=_new_lock)  # a lock a parent's thread held at fork would never open
+_lenders = _PerProcess(Lender)
 
 
 def lender() -> Lender:
-    """This process's :class:`Lender` (made at first use; a forked child makes its own)."""
-    global _lender, _lender_pid
-    with _lender_lock:
-        if _lender is None or _lender_pid != os.getpid():
-            _lender, _lender_pid = Lender(), os.getpid()
-        return _lender
+    """This process's :class:`Lender`."""
+    return _lenders.get()
 
 
 def take(nbytes: int) -> torch.Tensor:
@@ -126,7 +136,7 @@ class SharedBatch(dict):
         return copy.deepcopy(dict(self), memo)  # copies of the tensors: nothing in the ring any more
 
     def __reduce__(self):
-        owner = _lender if _lender is not None and _lender_pid == os.getpid() else None
+        owner = _lenders.made()
         used: dict[tuple[int, int], tuple[Arena, Block]] = {}
         structure = _describe(dict(self), owner, used)
         if not used:
@@ -275,17 +285,12 @@ def _reader_gone(fd: int) -> bool:
     return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
-_borrower: Borrower | None = None
-_borrower_pid = 0
+_borrowers = _PerProcess(Borrower)
 
 
 def borrower() -> Borrower:
     """This process's :class:`Borrower`."""
-    global _borrower, _borrower_pid
-    with _lender_lock:
-        if _borrower is None or _borrower_pid != os.getpid():
-            _borrower, _borrower_pid = Borrower(), os.getpid()
-        return _borrower
+    return _borrowers.get()
 
 
 def _unpack(parcel: _Parcel, structure: Any, pin: bool | None) -> Any:
