@@ -216,13 +216,13 @@ def litdata_loader(root: str, workers: int):
 # ---- running methods ----
 
 def measure(methods: dict, *, mode: str, repeat: int) -> dict[str, list[float]]:
-    """Seconds per pass of each method, interleaved (``read_bench.interleaved_times``: each warm pass right after
-    an untimed one, as a VM's memory manager may drop pages left idle for seconds); warm, first one more pass
-    each that sizes the reader's memory."""
-    if mode == "warm":
-        for name, run in methods.items():
-            log(f"warm-up: {name}")
-            run()
+    """Seconds per pass of each method, interleaved (``read_bench.interleaved_times``: cold, the page cache dropped
+    before each pass; warm, each pass right after an untimed one, as a VM's memory manager may drop pages left
+    idle for seconds). Each method first runs one untimed pass: it sizes its reader's memory and starts its
+    workers, which a training job does once, not each epoch."""
+    for name, run in methods.items():
+        log(f"first pass: {name}")
+        run()
     return interleaved_times(methods, mode=mode, repeat=repeat)
 
 
@@ -275,7 +275,9 @@ def ranks(path: str, world: int, threads: int, cold: bool) -> dict:
 
 
 def consumer(loader, token_nbytes: int, tokens_per_s: float) -> dict:
-    """A GPU step of fixed cost per token (torch.cuda._sleep, calibrated): the share of the epoch the GPU waits."""
+    """A GPU step of fixed cost per token (torch.cuda._sleep, calibrated), synchronized at its end as a step that
+    logs its loss is: the share of the epoch's wall time the GPU was not running a step (each step timed on the
+    GPU by a pair of events: the calibration drifts with the clocks)."""
     probe = 50_000_000
     torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
@@ -285,17 +287,19 @@ def consumer(loader, token_nbytes: int, tokens_per_s: float) -> dict:
     end.record()
     torch.cuda.synchronize()
     cycles_per_s = probe / (start.elapsed_time(end) / 1e3)
-    step_s, tokens = 0.0, 0
+    busy_s, tokens = 0.0, 0
     torch.cuda.synchronize()
     started = time.perf_counter()
     for batch in loader:
         n = int(batch["attention_mask"].sum())  # tokens of the batch (on the GPU already)
         tokens += n
+        start.record()
         torch.cuda._sleep(int(cycles_per_s * n / tokens_per_s))
-        step_s += n / tokens_per_s
-        torch.cuda.current_stream().synchronize()
+        end.record()
+        end.synchronize()
+        busy_s += start.elapsed_time(end) / 1e3
     wall = time.perf_counter() - started
-    return {"seconds": wall, "step_seconds": step_s, "waiting": max(0.0, 1 - step_s / wall),
+    return {"seconds": wall, "step_seconds": busy_s, "waiting": max(0.0, 1 - busy_s / wall),
             "tokens_per_s": tokens / wall, "gb_per_s": tokens * token_nbytes / wall / 1e9}
 
 

@@ -398,3 +398,26 @@ def test_batches_reach_the_gpu_from_pinned_memory_on_a_side_stream(store, worker
 
 if sys.platform != "linux":  # memfd_create and /proc
     pytestmark = pytest.mark.skip(reason="the read path's shared memory needs Linux")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_to_device_passes_errors_on_and_closes_its_source_when_the_loop_stops():
+    closed = []
+
+    def batches(fail_at):
+        try:
+            for k in range(10):
+                if k == fail_at:
+                    raise ValueError(f"batch {k} is bad")
+                yield {"x": torch.full((4,), k).pin_memory(), "k": k}
+        finally:
+            closed.append(fail_at)
+
+    with pytest.raises(ValueError, match="batch 3 is bad"):
+        for batch in to_device(batches(3), "cuda", ahead=2):
+            assert batch["x"].is_cuda and int(batch["x"][0]) == batch["k"]
+    for batch in to_device(batches(None), "cuda", ahead=0):
+        if batch["k"] == 2:
+            break
+    assert closed == [3, None]  # the source is closed before the loop goes on
+    assert [b["k"] for b in to_device(batches(None), "cuda", ahead=1)] == list(range(10))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import queue
+import threading
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -11,12 +13,12 @@ import torch
 def to_device(batches: Iterable[Any], device: torch.device | str, *, ahead: int = 1) -> Iterator[Any]:
     """``batches`` (dicts, lists and tuples of tensors and other values) with every tensor moved to ``device``.
 
-    On a CUDA device the copies run on a side stream: when the loop receives batch ``k``, the copies of the next
-    ``ahead`` batches have been issued, so they run on the copy engine while step ``k`` computes; the step's
-    stream waits for batch ``k``'s copy (nothing on the host does). The GPU holds the batch the loop uses plus
-    ``ahead`` more; the host keeps each batch until its copy is done, so pinned buffers (``Loader``'s) are
-    reused only then. Copies from pinned memory are asynchronous; from pageable memory CUDA stages them, which
-    is correct but slower. Any other device: each batch is moved as it comes.
+    On a CUDA device a feeder thread takes the batches from ``batches`` and copies them on a side stream, so
+    waiting for a batch (its reads, a worker) and issuing its copies happen while the step runs, and the copies
+    run on the copy engine; the step's stream waits for batch ``k``'s copy (nothing on the host does). The GPU
+    holds the batch in use plus up to ``ahead`` more; the host keeps each batch until its copy is done, so pinned
+    buffers (``Loader``'s) are reused only then. Copies from pinned memory are asynchronous; from pageable memory
+    CUDA stages them, which is correct but slower. Any other device: each batch is moved as it comes.
     """
     if ahead < 0:
         raise ValueError(f"ahead must be >= 0, got {ahead}")
@@ -29,47 +31,74 @@ def to_device(batches: Iterable[Any], device: torch.device | str, *, ahead: int 
 
 
 class _CudaPrefetch:
+    """The feeder thread and the loop's side of it: ``ahead + 1`` slots, one per batch on the GPU not yet done
+    with; the loop frees one each time it asks for the next batch."""
+
     def __init__(self, batches: Iterator[Any], device: torch.device, ahead: int):
-        self._batches, self._device, self._ahead = batches, device, ahead
-        self._stream = torch.cuda.Stream(device)
-        self._queued: collections.deque[tuple[Any, Any, torch.cuda.Event]] = collections.deque()  # host, moved
-        self._copying: list[tuple[Any, torch.cuda.Event]] = []  # host batches whose copy may still be reading them
-        self._done = False
+        self._batches, self._device = batches, device
+        self._slots = threading.Semaphore(ahead + 1)
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # (moved, copied), _END or a _Failure
+        self._stop = threading.Event()
 
     def __iter__(self) -> Iterator[Any]:
+        feeder = threading.Thread(target=self._feed, name="hsdata-to-device", daemon=True)
+        feeder.start()
         try:
-            while self._issue() and len(self._queued) <= self._ahead:
-                pass
-            while self._queued:
-                host, moved, copied = self._queued.popleft()
+            while True:
+                item = self._ready.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error
+                moved, copied = item
                 compute = torch.cuda.current_stream(self._device)
                 compute.wait_event(copied)
                 _record_stream(moved, compute)
-                self._copying.append((host, copied))
-                del host
-                self._copying = [(h, e) for h, e in self._copying if not e.query()]
-                self._issue()
                 yield moved
-                del moved
+                del moved, item
+                self._slots.release()  # the loop is done with the batch it had
         finally:
-            self._stream.synchronize()  # no copy may outlive the host buffers it reads
-            self._queued.clear()
-            self._copying.clear()
+            self._stop.set()
+            self._slots.release()
+            feeder.join()
 
-    def _issue(self) -> bool:
-        """Start copying the next batch; False when there is none."""
-        if self._done:
-            return False
-        host = next(self._batches, _END)
-        if host is _END:
-            self._done = True
-            return False
-        with torch.cuda.stream(self._stream):
-            moved = _move(host, self._device, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self._stream)
-        self._queued.append((host, moved, copied))
-        return True
+    def _feed(self) -> None:
+        copying: collections.deque[tuple[Any, torch.cuda.Event]] = collections.deque()  # host batches being read
+        with torch.cuda.device(self._device):
+            stream = torch.cuda.Stream(self._device)
+            try:
+                while self._take_slot():
+                    host = next(self._batches, _END)
+                    if host is _END:
+                        break
+                    with torch.cuda.stream(stream):
+                        moved = _move(host, self._device, non_blocking=True)
+                        copied = torch.cuda.Event()
+                        copied.record(stream)
+                    copying.append((host, copied))
+                    del host
+                    while copying and copying[0][1].query():
+                        copying.popleft()
+                    self._ready.put((moved, copied))
+                    del moved
+                self._ready.put(_END)
+            except BaseException as error:  # the loop raises it
+                self._ready.put(_Failure(error))
+            finally:
+                stream.synchronize()  # no copy may outlive the host buffers it reads
+                copying.clear()
+                close = getattr(self._batches, "close", None)
+                if close is not None:
+                    close()
+
+    def _take_slot(self) -> bool:
+        self._slots.acquire()
+        return not self._stop.is_set()
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
 
 
 _END = object()

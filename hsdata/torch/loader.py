@@ -188,5 +188,5 @@ class _WorkerBatches(Dataset):
         return len(self.dataset)
 
     def __getitems__(self, positions: list[int]) -> SharedBatch:
-        built = self.dataset.start_batch(positions, self.layout, segments.take, self._pool).result()
+        built = self.dataset.start_batch(positions, self.layout, segments.take, self._pool, spread=True).result()
         return SharedBatch(built.batch(), pin=self.pin)

@@ -28,7 +28,8 @@ LONG_SAMPLE_BYTES = 64 << 20  # a sample past this is read on the store's I/O th
 class Pending:
     """A batch being read: its plan and tensors, and the reads filling them (each a group of its samples)."""
 
-    def __init__(self, source, positions: list[int], layout: Layout, take: Callable, pool: ProcessLocalPool):
+    def __init__(self, source, positions: list[int], layout: Layout, take: Callable, pool: ProcessLocalPool,
+                 spread: bool = False):
         self._source, self._positions, self._layout, self._take = source, positions, layout, take
         located = source._locate(positions)
         self._plan = plan(layout, source.hidden, source.lengths[positions])
@@ -36,8 +37,9 @@ class Pending:
         self._tensors = views(self._plan, take(self._plan.nbytes))
         if layout.pack:
             finish_pack(self._plan, self._tensors)
-        self._reads: list[Future] = [pool.submit(_read_group, dataset, indices, rows, self._plan, self._tensors)
-                                     for dataset, indices, rows in _groups(located, source._sample_nbytes[positions])]
+        groups = _groups(located, source._sample_nbytes[positions])
+        self._reads: list[Future] = [pool.submit(_read_group, dataset, indices, rows, self._plan, self._tensors, spread)
+                                     for dataset, indices, rows in groups]
 
     def result(self) -> Built:
         """The batch, once read; a sample failing verification raises, or with ``on_error="skip"`` is replaced
@@ -77,12 +79,13 @@ def _groups(located: list[tuple[Any, int]], nbytes: Sequence[int]) -> Iterator[t
         yield dataset, indices, rows
 
 
-def _read_group(dataset, indices: list[int], rows: list[int], p, tensors) -> tuple[list[str], list | None]:
+def _read_group(dataset, indices: list[int], rows: list[int], p, tensors,
+                spread: bool) -> tuple[list[str], list | None]:
     """Read samples ``indices`` of ``dataset``'s store into batch rows ``rows``: the hidden states straight into
-    place, then the token tensors and padding. A group is read on this thread, unless it is one long sample: its
-    ranges then go to the store's I/O threads together (read one after another, it would hold back the batches
-    behind it)."""
-    inline = len(indices) > 1 or dataset._sample_bytes(indices[0]) <= LONG_SAMPLE_BYTES
+    place, then the token tensors and padding. A group is read on this thread, unless ``spread`` (a batch read
+    alone, not behind others) or it is one long sample: its ranges then go to the store's I/O threads together
+    (read one after another, they would leave the disk idle or hold back the batches behind them)."""
+    inline = not spread and (len(indices) > 1 or dataset._sample_bytes(indices[0]) <= LONG_SAMPLE_BYTES)
     samples = dataset.store.read_many(indices, out=[hidden_rows(p, tensors, b) for b in rows], inline=inline)
     flat_rows = flat(tensors)
     for b, sample in zip(rows, samples):
@@ -176,13 +179,14 @@ class BatchReads:
         return self._read_items([int(i) for i in positions])
 
     def start_batch(self, positions: list[int], layout: Layout, take: Callable[[int], Any],
-                    pool: ProcessLocalPool | None = None) -> Pending:
+                    pool: ProcessLocalPool | None = None, spread: bool = False) -> Pending:
         """Start reading the batch of ``positions`` in ``layout`` into a block from ``take(nbytes)`` on ``pool``'s
-        threads (default: this dataset's)."""
-        return Pending(self, positions, layout, take, pool or self._pool)
+        threads (default: this dataset's); ``spread``: each sample's ranges on the store's I/O threads at once
+        (for a batch read alone: a DataLoader worker's)."""
+        return Pending(self, positions, layout, take, pool or self._pool, spread)
 
     def _read_items(self, positions: list[int]) -> BatchItems:
-        pending = self._take_ahead(positions) or self.start_batch(positions, ITEMS_LAYOUT, self._take)
+        pending = self._take_ahead(positions) or self.start_batch(positions, ITEMS_LAYOUT, self._take, spread=True)
         return BatchItems(pending.result(), pin=self.pin_memory)
 
     def _take_ahead(self, positions: list[int]) -> Pending | None:
