@@ -176,6 +176,15 @@ def store_threads(store, order, threads: int) -> int:
 
 # ---- hsdata's readers, made once and reused ----
 
+def write_fp8(root: str, samples) -> None:
+    with hsdata.create(root, hidden_size=samples[0]["hidden_states"].shape[1], aux_layers=[1, 2, 3], model="bench",
+                       dtype="float8_e4m3fn") as w:
+        for i, s in enumerate(samples):
+            finite = {k: v.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) if v.is_floating_point() else v
+                      for k, v in s.items()}
+            w.add(f"s{i:06d}", **finite)
+
+
 def hsdata_loader(path: str, threads: int, workers: int, batch: int, verify: bool, device) -> tuple:
     dataset = Eagle3Dataset(path, verify=verify)
     sampler = ShardAwareSampler(dataset, seed=0)
@@ -317,6 +326,9 @@ def main() -> None:
                         choices=["warm", "cold", "ranks", "consumer"])
     parser.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS)
     parser.add_argument("--reuse", action="store_true", help="keep the stores of an earlier run in --dir")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also read the same samples stored as float8_e4m3fn, warm and cold (GB/s: of the "
+                             "bfloat16 states delivered)")
     parser.add_argument("--json")
     args = parser.parse_args()
     cold_parts = {"cold"} & set(args.parts) or ({"ranks"} & set(args.parts))
@@ -336,6 +348,9 @@ def main() -> None:
             os.makedirs(roots[name])
             writers[name](roots[name], samples)
             log(f"wrote {name}")
+        if args.fp8:  # the same states, their NaN and Inf bit patterns (random bits hold some) made 0
+            write_fp8(os.path.join(args.dir, "hsdata-fp8"), samples)
+            log("wrote hsdata fp8")
         del samples
         with open(meta, "w") as f:
             json.dump({"count": len(lengths), "formats": args.formats}, f)
@@ -350,9 +365,17 @@ def main() -> None:
               "machine": f"{platform.node()}: {os.cpu_count()} cores, {torch.cuda.get_device_name() if GPU else 'no GPU'}",
               "versions": {"torch": torch.__version__, "hsdata": hsdata.__version__}, "delivery": "GPU" if GPU else "host"}
 
-    def hs(workers, batch, verify=True):
-        loader = hsdata_loader(roots["hsdata"], args.threads, workers, batch, verify, device)
+    def hs(workers, batch, verify=True, root=roots["hsdata"]):
+        loader = hsdata_loader(root, args.threads, workers, batch, verify, device)
         return partial(epoch, loader)
+
+    fp8_root = os.path.join(args.dir, "hsdata-fp8")
+
+    def fp8_methods():  # GB/s of the bf16 states delivered, as for every method
+        if not args.fp8:
+            return {}
+        return {"Loader fp8, 0 workers": hs(0, 1, root=fp8_root), f"Loader fp8, {W} workers": hs(W, 1, root=fp8_root),
+                "Loader fp8, 0 workers, batch 4": hs(0, 4, root=fp8_root)}
 
     def formats(workers):
         methods = {}
@@ -385,7 +408,7 @@ def main() -> None:
             f"DataLoader + collate_eagle3, {W} workers": partial(epoch, hsdata_dataloader(roots["hsdata"], W, 1)),
             f"DataLoader + collate_eagle3, {W} workers, batch 4": partial(
                 epoch, hsdata_dataloader(roots["hsdata"], W, 4)),
-            **formats(0), **formats(W),
+            **fp8_methods(), **formats(0), **formats(W),
         }
         result["warm"] = rows(measure(methods, mode="warm", repeat=args.repeat), gb, baselines)
         del methods
@@ -395,7 +418,7 @@ def main() -> None:
             "raw files": RawRanges(roots["hsdata"], order, args.threads, whole_files=True),
             "Loader, 0 workers": hs(0, 1), "Loader, 0 workers, batch 4": hs(0, 4),
             f"Loader, {W} workers": hs(W, 1), f"Loader, {W} workers, batch 4": hs(W, 4),
-            **formats(W),
+            **fp8_methods(), **formats(W),
         }
         result["cold"] = rows(measure(methods, mode="cold", repeat=args.repeat), gb,
                               {"x_raw": "raw ranges", "x_raw_files": "raw files"})

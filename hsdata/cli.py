@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 
 from . import __version__
 from .compression import PRESETS, Compression
-from .dtypes import HIDDEN_DTYPES, check_pair
+from .dtypes import FP8_DTYPES, HIDDEN_DTYPES, STORED_HIDDEN_DTYPES, check_pair
 from .errors import HsdataError
 from .extract.client import extract_from_server
 from .extract.conversations import read_jsonl
@@ -103,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                               "at the end (3600)")
     extract.add_argument("--dtype", default="bfloat16", choices=HIDDEN_DTYPES,
                          help="--engine hf: the dtype the model runs in (bfloat16)")
-    extract.add_argument("--store-dtype", choices=HIDDEN_DTYPES,
+    extract.add_argument("--store-dtype", choices=STORED_HIDDEN_DTYPES,
                          help="--engine hf: store the states in this dtype (default: --dtype; a float32 model's may "
-                              "be stored as bfloat16 or float16)")
+                              "be stored as bfloat16 or float16; any model's as float8_e4m3fn, half of bf16's bytes, "
+                              "quantized where the states are made: docs/format.md section 3b)")
     extract.add_argument("--compression", choices=COMPRESSION_CHOICES,
                          help="--engine hf: compress the hidden states of a store created here: zstd (0.69 of the "
                               "size, about one core of decoding per 1.2-1.6 GB/s read) or lz4 (0.75, faster); "
@@ -121,6 +122,17 @@ def main(argv: list[str] | None = None) -> int:
                          help="--engine hf: recorded in the store's provenance over the automatic entries "
                               "(repeatable); VALUE is parsed as JSON when it can be")
     _add_storage_options(extract)
+
+    convert = commands.add_parser("convert", help="write a store's samples again with another stored dtype (fp8: "
+                                  "half the bytes of bf16) or compression, without rerunning the model; resumable")
+    convert.add_argument("src", help="the store to read (path or fsspec URL)")
+    convert.add_argument("dest", help="the store to write (a new one, or one an earlier convert started)")
+    convert.add_argument("--dtype", required=True, choices=STORED_HIDDEN_DTYPES,
+                         help="how the hidden states are stored: float8_e4m3fn keeps a float32 scale per token and "
+                              "layer (docs/format.md section 3b)")
+    convert.add_argument("--compression", choices=COMPRESSION_CHOICES, help="compress the new store's hidden states")
+    convert.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_storage_options(convert)
     _add_migrate_commands(commands)
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -130,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return {"info": _info, "validate": _validate, "gc": _gc, "extract": _extract, "show": _show,
-                "remove": _remove, "import": _import, "export": _export}[args.command](args)
+                "remove": _remove, "import": _import, "export": _export, "convert": _convert}[args.command](args)
     except (HsdataError, OSError, ValueError, MemoryError) as e:
         message = " ".join(str(e).split())
         print(f"hsdata {args.command}: error: {message}", file=sys.stderr)
@@ -279,7 +291,8 @@ def _info(args: argparse.Namespace) -> int:
           f"final state {summary['final_hidden_state']}")
     computed = summary["compute_dtype"]
     computed = "compute dtype not recorded" if computed is None else f"computed in {computed}"
-    print(f"dtype       {summary['dtype']}  ({computed})")
+    scaled = ", a float32 scale per token and layer" if summary["dtype"] in FP8_DTYPES else ""
+    print(f"dtype       {summary['dtype']}  ({computed}{scaled})")
     compression = summary["compression"]
     print(f"compressed  {'no' if compression is None else f'{Compression.from_dict(compression)} (hidden states)'}")
     print(f"samples     {summary['samples']:,} in {summary['parts']} part(s)")
@@ -686,6 +699,30 @@ def _export(args: argparse.Namespace) -> int:
           f"exported, {summary.written:,} written ({summary.tokens:,} tokens), {len(summary.failed):,} failed, in "
           f"{summary.seconds:.1f} s")
     return 0 if not summary.failed else 1
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    bars: list[Progress] = []
+    options = _storage_options(args.storage_option)
+    compression = None if args.compression in (None, "none") else args.compression
+    try:
+        summary = convert(args.src, args.dest, dtype=args.dtype, compression=compression, storage_options=options,
+                          dest_storage_options=options, provenance={"command": args.command_line},
+                          on_plan=lambda n: bars.append(Progress("convert", unit="sample", total=n)),
+                          on_sample=lambda tokens: bars[0].update(1))
+    finally:
+        for bar in bars:
+            bar.close()
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=2))
+        return 0
+    ratio = f", {summary.dest_bytes / summary.source_bytes:.3f} of the size" if summary.source_bytes else ""
+    print(f"OK: {summary.samples:,} samples: {summary.skipped:,} already in {args.dest}, {summary.converted:,} "
+          f"converted to {args.dtype} ({summary.tokens:,} tokens, {human_bytes(summary.source_bytes)} -> "
+          f"{human_bytes(summary.dest_bytes)}{ratio}) in {summary.seconds:.1f} s")
+    return 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ class DType:
     torch: torch.dtype  # what readers return
     stored: np.dtype  # numpy dtype of the stored array: bfloat16 is kept as its uint16 bit pattern
     stored_torch: torch.dtype  # the torch dtype of that array (torch.uint16 for bfloat16)
-    exponent_mask: int | None = None  # floats: the exponent bits, all set in NaN and Inf
+    exponent_mask: int | None = None  # floats: bits all set in NaN and Inf (the exponent; e4m3fn: its NaN, 0x7F)
+    fp8_max: float | None = None  # fp8: the largest finite magnitude, what a token's largest value is scaled to
 
     @property
     def itemsize(self) -> int:
@@ -35,16 +36,25 @@ DTYPES = {d.name: d for d in (
     DType("bfloat16", "uint16", torch.bfloat16, np.dtype("<u2"), torch.uint16, 0x7F80),
     DType("float16", "float16", torch.float16, np.dtype("<f2"), torch.float16, 0x7C00),
     DType("float32", "float32", torch.float32, np.dtype("<f4"), torch.float32, 0x7F800000),
+    # fp8 states are stored as their bit patterns with a float32 scale per token and layer (hsdata.quantize);
+    # ``torch`` is the element dtype of the stored values, readers return them dequantized to bfloat16.
+    DType("float8_e4m3fn", "uint8", torch.float8_e4m3fn, np.dtype("u1"), torch.uint8, 0x7F, 448.0),
+    DType("float8_e5m2", "uint8", torch.float8_e5m2, np.dtype("u1"), torch.uint8, 0x7C, 57344.0),
 )}
-HIDDEN_DTYPES = ("bfloat16", "float16", "float32")  # what the hidden-state tensors may be stored (and computed) in
-CONVERSIONS = {("float32", "bfloat16"), ("float32", "float16")}  # (compute, stored) pairs the writer converts
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")  # what the hidden-state tensors may be computed in
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+STORED_HIDDEN_DTYPES = HIDDEN_DTYPES + FP8_DTYPES  # what they may be stored in
+CONVERSIONS = {("float32", "bfloat16"), ("float32", "float16")} | {
+    (compute, fp8) for compute in HIDDEN_DTYPES for fp8 in FP8_DTYPES}  # (compute, stored) pairs the writer converts
 
 
-def hidden_dtype(what: str, value: Any) -> str:
-    """The name of a hidden-state dtype given as a name (``"float32"``) or a torch dtype (``torch.float32``)."""
+def hidden_dtype(what: str, value: Any, *, stored: bool = False) -> str:
+    """The name of a hidden-state dtype given as a name (``"float32"``) or a torch dtype (``torch.float32``);
+    ``stored``: a stored dtype, fp8 included."""
     name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-    if name not in HIDDEN_DTYPES:
-        raise ValueError(f"{what} must be one of {', '.join(HIDDEN_DTYPES)} (a name or torch dtype), got {value!r}")
+    allowed = STORED_HIDDEN_DTYPES if stored else HIDDEN_DTYPES
+    if name not in allowed:
+        raise ValueError(f"{what} must be one of {', '.join(allowed)} (a name or torch dtype), got {value!r}")
     return name
 
 
@@ -52,4 +62,4 @@ def check_pair(dtype: str, compute_dtype: str | None) -> None:
     """Raise unless states computed in ``compute_dtype`` (None: unknown) may be stored as ``dtype``."""
     if compute_dtype not in (None, dtype) and (compute_dtype, dtype) not in CONVERSIONS:
         raise ValueError(f"cannot store {compute_dtype} hidden states as {dtype}: the stored dtype must be the "
-                         "compute dtype, or float32 stored as bfloat16 or float16")
+                         "compute dtype, float32 stored as bfloat16 or float16, or any of them as fp8")

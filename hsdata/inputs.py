@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import quantize
 from .dtypes import DTYPES
 from .errors import InvalidSampleError
 from .spec import MAX_INPUT_ID, StoreSpec
@@ -65,16 +66,8 @@ def prepare(spec: StoreSpec, sample_id: Any, *, input_ids: Any, loss_mask: Any, 
     if mask.dtype != np.bool_ and ((mask != 0) & (mask != 1)).any():
         raise fail("loss_mask must hold only 0 and 1")
 
-    k, h = len(spec.aux_layers), spec.hidden_size
-    aux = _hidden(spec, aux_hidden_states, "aux_hidden_states", fail)
-    if aux.shape == (num_tokens, k, h):
-        aux = aux.reshape(num_tokens, k * h)
-    if aux.shape != (num_tokens, k * h):
-        raise fail(f"aux_hidden_states must have shape [{num_tokens}, {k * h}] ({k} layers x hidden size {h}) "
-                   f"or [{num_tokens}, {k}, {h}], got {list(aux.shape)}")
-    final = _hidden(spec, hidden_states, "hidden_states", fail)
-    if final.shape != (num_tokens, h):
-        raise fail(f"hidden_states must have shape [{num_tokens}, {h}], got {list(final.shape)}")
+    aux = _hidden(spec, aux_hidden_states, "aux_hidden_states", fail, num_tokens)
+    final = _hidden(spec, hidden_states, "hidden_states", fail, num_tokens)
 
     if meta is not None:
         if not isinstance(meta, dict):
@@ -121,27 +114,63 @@ def integers(value: Any, name: str, fail) -> np.ndarray:
     return array
 
 
-def _hidden(spec: StoreSpec, value: Any, name: str, fail) -> np.ndarray:
-    """A hidden-state torch tensor or numpy array (ml_dtypes for bfloat16) as the stored array: without copying
-    when it is in the stored dtype, converted (``torch.Tensor.to``, round to nearest even) from the compute dtype."""
-    stored, compute = DTYPES[spec.dtype], DTYPES[spec.compute_dtype or spec.dtype]
+def _hidden(spec: StoreSpec, value: Any, name: str, fail, num_tokens: int) -> np.ndarray:
+    """A hidden-state torch tensor or numpy array (ml_dtypes for bfloat16) of ``num_tokens`` tokens as the stored
+    rows: without copying when it is in the stored dtype (for fp8, uint8 rows of ``hsdata.quantize.quantize``,
+    checked); else converted from the compute dtype on the tensor's
+    device before it is copied to the host (``torch.Tensor.to``, round to nearest even; to fp8 rows by
+    :func:`hsdata.quantize.quantize`, refusing NaN and Inf)."""
+    tensor = spec.tensor(name)
+    stored, compute = tensor.dtype, DTYPES[spec.compute_dtype or spec.dtype]
+    layers, hidden = tensor.layers, spec.hidden_size
     if isinstance(value, torch.Tensor):
         value = _dense(value, name, fail)
     else:
         value = _numpy(value, name, fail)
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
+    shape = tuple(value.shape)
+    if tensor.quantized and str(value.dtype).removeprefix("torch.") == "uint8" and shape == (num_tokens, tensor.width):
+        return _fp8_rows(value, tensor, hidden, name, fail)
+    if name == "aux_hidden_states" and shape == (num_tokens, layers, hidden):
+        value, shape = value.reshape(num_tokens, layers * hidden), (num_tokens, layers * hidden)
+    if shape != (num_tokens, layers * hidden):
+        also = f" or [{num_tokens}, {layers}, {hidden}]" if name == "aux_hidden_states" else ""
+        parts = f" ({layers} layers x hidden size {hidden})" if name == "aux_hidden_states" else ""
+        raise fail(f"{name} must have shape [{num_tokens}, {layers * hidden}]{parts}{also}, got {list(shape)}")
     got = str(value.dtype).removeprefix("torch.")
-    if got not in (stored.name, compute.name):
+    if got not in (stored.name, compute.name) or (tensor.quantized and got != compute.name):
         takes = stored.name if compute is stored else f"{stored.name}, or {compute.name} (converted)"
-        raise fail(f"{name} is {got}, this store takes {takes}")
+        raise fail(f"{name} is {got}, this store takes {compute.name if tensor.quantized else takes}")
     if isinstance(value, np.ndarray):
         if got == stored.name:
             return np.ascontiguousarray(value).view(stored.stored)
-        value = torch.from_numpy(np.require(value, requirements="CW"))  # W: torch wants a writable array
+        value = _torch_of(value)
+    if tensor.quantized:
+        bad = quantize.first_non_finite(value)
+        if bad is not None:
+            raise fail(f"{name} holds NaN or Inf (first at token {bad}): fp8 stores take finite states only")
+        return _host_array(quantize.quantize(value, layers, stored.name), name, fail)
     if got != stored.name:
         value = value.to(stored.torch)  # on the tensor's device, before it is copied to the host
     return _host_array(value.view(stored.stored_torch), name, fail)
+
+
+def _fp8_rows(value: Any, tensor, hidden: int, name: str, fail) -> np.ndarray:
+    """Rows already quantized (``hsdata.quantize.quantize``, e.g. on the GPU by the capture path), checked."""
+    rows = _host_array(value, name, fail) if isinstance(value, torch.Tensor) else np.ascontiguousarray(value)
+    problem = quantize.invalid(rows, tensor.layers, hidden, tensor.logical_dtype)
+    if problem is not None:  # NaN or Inf states quantize to a NaN or infinite scale
+        raise fail(f"{name} holds NaN or Inf, or is not fp8 rows: {problem}")
+    return rows
+
+
+def _torch_of(array: np.ndarray) -> torch.Tensor:
+    """A numpy array (ml_dtypes' bfloat16 included) as a torch tensor of the same values."""
+    array = np.require(array, requirements="CW")  # W: torch wants a writable array
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _dense(tensor: torch.Tensor, name: str, fail) -> torch.Tensor:

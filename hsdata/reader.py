@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from . import manifest, masks, removals, sampling
+from . import manifest, masks, quantize, removals, sampling
 from .io.buffers import BufferPool, shared_bytes
 from .io.cache import RangeCache
 from .errors import CorruptDataError
@@ -41,7 +41,7 @@ FIELD_NAMES = (*TENSOR_NAMES, "meta")  # what ``fields`` of Store.read may name
 
 def open(url: str, *, storage_options: dict | None = None, verify: bool = True, concurrency: int | None = None,
          range_bytes: int = DEFAULT_RANGE_BYTES, cache_dir: str | None = None,
-         cache_max_bytes: int = DEFAULT_CACHE_BYTES) -> Store:  # noqa: A001
+         cache_max_bytes: int = DEFAULT_CACHE_BYTES, dequantize: bool = True) -> Store:  # noqa: A001
     """Open the store at ``url`` (any fsspec URL) for reading. Reads metadata and manifests only.
 
     With ``verify`` (the default) every tensor read is checked against its per-sample xxh3 from the manifest,
@@ -49,7 +49,8 @@ def open(url: str, *, storage_options: dict | None = None, verify: bool = True, 
     bytes are read as ranges of about ``range_bytes``, ``concurrency`` at a time: I/O threads on a local disk
     (default 4), requests in flight on a remote store (default 32; ranges of one object less than 1 MiB apart
     are merged into requests of up to ``range_bytes``). ``cache_dir`` keeps the remote ranges read on a local
-    disk for later epochs, at most ``cache_max_bytes`` of them.
+    disk for later epochs, at most ``cache_max_bytes`` of them. An fp8 store's states are read as bfloat16
+    unless ``dequantize=False`` (then as fp8 values with their scales: :meth:`Store.read`).
     """
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -59,7 +60,7 @@ def open(url: str, *, storage_options: dict | None = None, verify: bool = True, 
     removed = removals.load(storage)
     rows = removed.drop_rows(manifest.load(storage))
     return Store(storage, spec, rows, masks.load_lookup(storage, removed.masks), verify=verify, concurrency=concurrency,
-                 range_bytes=range_bytes, provenance=provenance)
+                 range_bytes=range_bytes, provenance=provenance, dequantize=dequantize)
 
 
 class Store:
@@ -67,7 +68,7 @@ class Store:
 
     def __init__(self, storage: Storage, spec: StoreSpec, rows: pa.Table, added_masks: Mapping[str, bytes], *,
                  verify: bool = True, concurrency: int | None = None, range_bytes: int = DEFAULT_RANGE_BYTES,
-                 provenance: dict[str, Any] | None = None):
+                 provenance: dict[str, Any] | None = None, dequantize: bool = True):
         """``concurrency``: I/O threads for a local store (a remote one's limit is ``storage.max_requests``);
         ``provenance``: the root metadata's (``layout.load_root``); ``added_masks``: anything with ``get(sample_id)``
         (a dict, or :class:`hsdata.masks.AddedMasks`)."""
@@ -77,6 +78,7 @@ class Store:
         self.spec = spec
         self.provenance: dict[str, Any] = provenance or {}  # what the store's creator recorded (hsdata.create)
         self.verify = verify
+        self.dequantize = dequantize  # fp8 states read as bfloat16 (no effect on other stores)
         self._storage = storage
         self._pool = ProcessLocalPool(concurrency, "hsdata-read")
         self._buffers = BufferPool(IDLE_BUFFER_BYTES)
@@ -177,7 +179,9 @@ class Store:
     def read(self, i: int, fields: Iterable[str] | None = None, *, shared: bool = False) -> dict[str, Any]:
         """Sample ``i`` as a dict of torch tensors: ``input_ids`` int64 [T], ``loss_mask`` uint8 [T],
         ``aux_hidden_states`` [T, K*H] and ``hidden_states`` [T, H] in the stored dtype (``spec.dtype``: bfloat16,
-        float16 or float32); ``fields`` picks a subset, and may name ``meta`` (:meth:`meta`) too.
+        float16 or float32; an fp8 store's as bfloat16, or, opened with ``dequantize=False``, as fp8 with
+        ``aux_hidden_states_scale`` [T, K] and ``hidden_states_scale`` [T, 1], float32: value x scale of its
+        layer); ``fields`` picks a subset, and may name ``meta`` (:meth:`meta`) too.
         ``loss_mask`` comes from the sample, else from masks added later (``hsdata.add_loss_masks``), else is None.
         With ``shared``, tensors are read straight into shared memory, so a DataLoader worker sends them to the
         main process without copying."""
@@ -190,7 +194,7 @@ class Store:
         of samples that lie next to each other share requests.
 
         ``out``: for each sample, tensors to read some of its tensors into, by name (each contiguous, of the
-        stored dtype, holding the sample's first rows: its rows of a padded batch, say); the sample's rows beyond
+        dtype read, holding the sample's first rows: its rows of a padded batch, say); the sample's rows beyond
         them are read only to check its checksum (not at all with ``verify`` off), and the sample's dict holds
         the given tensor. ``inline``: read a local store on the calling thread (for callers that read several
         samples at once on threads of their own), instead of on the store's I/O threads.
@@ -250,18 +254,20 @@ class Store:
         sample_id = self._ids[i]
         for tensor in tensors:
             self._check_extent(sample_id, part, offset, length, tensor)
-        given = [_destination(sample_id, t, destinations.get(t.name), length) if destinations else None
+        given = [self._destination(sample_id, t, destinations.get(t.name), length) if destinations else None
                  for t in tensors]
         outputs = []
         for tensor, destination in zip(tensors, given):
-            if destination is not None:
+            if tensor.quantized:  # read into a buffer, dequantized from it into place
+                outputs.append(self._buffers.take(length * tensor.row_nbytes))
+            elif destination is not None:
                 outputs.append(destination.view(torch.uint8).reshape(-1))
             elif shared:
                 outputs.append(shared_bytes(length * tensor.row_nbytes))
             else:
                 outputs.append(self._buffers.take(length * tensor.row_nbytes))
         plan = _Plan(i, sample_id, tensors, outputs, given, [manifest.content_hasher() for _ in tensors],
-                     with_meta="meta" in names)
+                     with_meta="meta" in names, shared=shared)
         if "loss_mask" in names and not with_mask:
             plan.mask_added_later, plan.added_mask = True, self._added_masks.get(sample_id)
         for k, (tensor, output) in enumerate(zip(tensors, outputs)):
@@ -345,6 +351,9 @@ class Store:
         for tensor, output, given, hasher in zip(plan.tensors, plan.outputs, plan.given, plan.hashers):
             if self.verify:
                 self._check_hash(i, tensor, hasher.intdigest())
+            if tensor.quantized:
+                out.update(self._dequantized(tensor, output, given, plan.shared))
+                continue
             if given is not None:
                 out[tensor.name] = given
                 continue
@@ -380,6 +389,41 @@ class Store:
             finally:
                 for future in futures:
                     future.cancel()
+
+    def _destination(self, sample_id: str, tensor: TensorSpec, given: torch.Tensor | None,
+                     length: int) -> torch.Tensor | None:
+        """``given`` checked as a place for the first rows of ``tensor`` of a sample of ``length`` tokens."""
+        if given is None:
+            return None
+        if tensor.quantized and not self.dequantize:
+            raise ValueError(f"sample {sample_id!r}: out[{tensor.name!r}] needs a store opened with dequantize on "
+                             "(its fp8 values and scales are read as they are)")
+        dtype, width = tensor.read_dtype, tensor.values_width
+        if given.dtype != dtype or not given.is_contiguous() or given.device.type != "cpu":
+            raise ValueError(f"sample {sample_id!r}: out[{tensor.name!r}] must be a contiguous CPU tensor of "
+                             f"{dtype}, got {given.dtype} on {given.device}"
+                             f"{'' if given.is_contiguous() else ', not contiguous'}")
+        rows, extra = divmod(given.numel(), width or 1)
+        if extra or rows > length or (given.dim() > 1 and given.shape[-1] != width):
+            raise ValueError(f"sample {sample_id!r}: out[{tensor.name!r}] has shape {tuple(given.shape)}; it must "
+                             f"hold at most {length} rows of {width or 1}")
+        return given
+
+    def _dequantized(self, tensor: TensorSpec, output: torch.Tensor, given: torch.Tensor | None,
+                     shared: bool) -> dict[str, torch.Tensor]:
+        """An fp8 tensor's entries of a sample's dict, from its stored rows ``output``: bfloat16 states (into
+        ``given`` when there is one), or with ``dequantize`` off the fp8 values and their scales."""
+        layers, hidden = tensor.layers, self.spec.hidden_size
+        tokens = len(output) // tensor.row_nbytes
+        if not self.dequantize:
+            values, scales = quantize.split(output, layers, hidden, tensor.logical_dtype)
+            return {tensor.name: values.reshape(tokens, layers * hidden), f"{tensor.name}_scale": scales}
+        if given is None:
+            nbytes = tokens * tensor.values_width * quantize.DEQUANTIZED.itemsize
+            given = (shared_bytes(nbytes) if shared else torch.empty(nbytes, dtype=torch.uint8)).view(
+                quantize.DEQUANTIZED).view(tokens, tensor.values_width)
+        rows = output[: len(given.view(-1)) // tensor.values_width * tensor.row_nbytes]
+        return {tensor.name: quantize.dequantize(rows, layers, hidden, tensor.logical_dtype, out=given)}
 
     def _check_extent(self, sample_id: str, part: str, offset: int, length: int, tensor: TensorSpec) -> None:
         """Before anything is allocated: the sample's rows lie within its part's array (its ``zarr.json``
@@ -447,6 +491,7 @@ class _Plan:
     given: list[torch.Tensor | None]  # the caller's tensor to return, or None
     hashers: list
     with_meta: bool = False
+    shared: bool = False  # tensors made after the read (dequantized) go in shared memory
     reads: list[_Read] = field(default_factory=list)
     mask_added_later: bool = False  # loss_mask wanted, from hsdata.add_loss_masks (added_mask; None: none added)
     added_mask: bytes | None = None
@@ -478,21 +523,6 @@ def _iov(read: _Read) -> list:
         iov += (crc, destination[:size]) if iov else (destination[:size],)
         destination = destination[size:]
     return iov
-
-
-def _destination(sample_id: str, tensor: TensorSpec, given: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """``given`` checked as a place for the first rows of ``tensor`` of a sample of ``length`` tokens."""
-    if given is None:
-        return None
-    if given.dtype != tensor.dtype.torch or not given.is_contiguous() or given.device.type != "cpu":
-        raise ValueError(f"sample {sample_id!r}: out[{tensor.name!r}] must be a contiguous CPU tensor of "
-                         f"{tensor.dtype.torch}, got {given.dtype} on {given.device}"
-                         f"{'' if given.is_contiguous() else ', not contiguous'}")
-    rows, extra = divmod(given.numel(), tensor.width or 1)
-    if extra or rows > length or (given.dim() > 1 and given.shape[-1] != tensor.width):
-        raise ValueError(f"sample {sample_id!r}: out[{tensor.name!r}] has shape {tuple(given.shape)}; it must "
-                         f"hold at most {length} rows of {tensor.width or 1}")
-    return given
 
 
 def _check_fields(fields: Iterable[str] | None) -> tuple[str, ...]:

@@ -7,12 +7,14 @@ from typing import Any
 
 from . import compression as compression_module
 from .compression import Compression
-from .dtypes import DTYPES, DType, check_pair, hidden_dtype
+from . import quantize
+from .dtypes import DTYPES, FP8_DTYPES, DType, check_pair, hidden_dtype
 from .errors import SpecMismatchError, UnsupportedFormatError
 
 FORMAT_VERSION = 2  # what an uncompressed store is written as, so that version 2 readers keep reading it
 COMPRESSED_FORMAT_VERSION = 3  # version 2 plus ``compression``: the hidden states' chunks compressed
-READABLE_VERSIONS = (1, 2, 3)  # version 1: bfloat16 only, no compute_dtype (docs/format.md section 2)
+FP8_FORMAT_VERSION = 4  # hidden states in fp8 with a float32 scale per token and layer, compressed or not
+READABLE_VERSIONS = (1, 2, 3, 4)  # version 1: bfloat16 only, no compute_dtype (docs/format.md section 2)
 LAYER_CONVENTION = "output_of_layer"  # id k = output of decoder layer k (0-based) = HF hidden_states[k + 1]
 FINAL_HIDDEN_STATE = "post_norm"  # the last layer's output after the model's final norm
 # "pre_norm": the last layer's output before the final norm (vLLM/speculators dumps, kept as imported; version 2 only)
@@ -43,10 +45,28 @@ class TensorSpec:
     width: int | None  # elements per token; None for a 1-D array
     chunk_tokens: int  # tokens per inner (checksummed) chunk
     compression: Compression | None = None  # how each inner chunk is compressed; None: stored as it is
+    layers: int = 1  # layers a row holds (an fp8 row keeps a scale per layer; hsdata.quantize)
 
     @property
     def dtype(self) -> DType:
         return DTYPES[self.logical_dtype]
+
+    @property
+    def quantized(self) -> bool:
+        """fp8 rows: each layer's values and its scale (``hsdata.quantize``); read back as bfloat16."""
+        return self.logical_dtype in FP8_DTYPES
+
+    @property
+    def values_width(self) -> int | None:
+        """Values per token as read: the width, less the scales' bytes of an fp8 row."""
+        if not self.quantized:
+            return self.width
+        return self.width - quantize.SCALE_BYTES * self.layers
+
+    @property
+    def read_dtype(self) -> Any:
+        """The torch dtype readers return."""
+        return quantize.DEQUANTIZED if self.quantized else self.dtype.torch
 
     @property
     def itemsize(self) -> int:
@@ -104,7 +124,8 @@ class StoreSpec:
         """Build a spec, deriving chunk and shard sizes from the byte targets unless given.
 
         ``dtype``: how the hidden states are stored; ``compute_dtype``: what the model computed them in (None: the
-        same). Both are names or torch dtypes; float32 states may be stored as bfloat16 or float16.
+        same; bfloat16 for an fp8 store). Both are names or torch dtypes; float32 states may be stored as bfloat16
+        or float16, and any of the three as ``float8_e4m3fn`` or ``float8_e5m2`` (format version 4).
         ``final_hidden_state``: what ``hidden_states`` holds, one of ``FINAL_HIDDEN_STATES``.
         ``compression``: how the hidden states' chunks are compressed (``hsdata.compression.parse``: None, a
         preset name or a :class:`Compression`); a compressed store is format version 3.
@@ -113,8 +134,11 @@ class StoreSpec:
         if final_hidden_state not in FINAL_HIDDEN_STATES:
             raise ValueError(f"final_hidden_state must be one of {', '.join(FINAL_HIDDEN_STATES)}, "
                              f"got {final_hidden_state!r}")
-        dtype = hidden_dtype("dtype", dtype)
-        compute_dtype = dtype if compute_dtype is None else hidden_dtype("compute_dtype", compute_dtype)
+        dtype = hidden_dtype("dtype", dtype, stored=True)
+        fp8 = dtype in FP8_DTYPES
+        if compute_dtype is None:
+            compute_dtype = "bfloat16" if fp8 else dtype
+        compute_dtype = hidden_dtype("compute_dtype", compute_dtype)
         check_pair(dtype, compute_dtype)
         _check_positive_int("hidden_size", hidden_size, MAX_HIDDEN_SIZE)
         aux = tuple(aux_layers)
@@ -132,11 +156,11 @@ class StoreSpec:
             _check_positive_int("vocab_size", vocab_size)
             if vocab_size > MAX_INPUT_ID + 1:
                 raise ValueError(f"vocab_size {vocab_size} does not fit int32 token ids")
+        layers = {"aux_hidden_states": len(aux), "hidden_states": 1}
         widths = {
             "input_ids": None,
             "loss_mask": None,
-            "aux_hidden_states": len(aux) * hidden_size,
-            "hidden_states": hidden_size,
+            **{n: quantize.row_nbytes(k, hidden_size) if fp8 else k * hidden_size for n, k in layers.items()},
         }
         logical = {"input_ids": "int32", "loss_mask": "uint8", "aux_hidden_states": dtype, "hidden_states": dtype}
         row_nbytes = {n: (w or 1) * DTYPES[logical[n]].itemsize for n, w in widths.items()}
@@ -155,9 +179,9 @@ class StoreSpec:
                 while shard_tokens % ct:
                     ct //= 2
             tensors.append(TensorSpec(name, DTYPES[logical[name]].data_type, logical[name], width, ct,
-                                      compression if name in HIDDEN_TENSORS else None))
+                                      compression if name in HIDDEN_TENSORS else None, layers.get(name, 1)))
         _check_power_of_two("shard_tokens", shard_tokens)
-        version = FORMAT_VERSION if compression is None else COMPRESSED_FORMAT_VERSION
+        version = FP8_FORMAT_VERSION if fp8 else FORMAT_VERSION if compression is None else COMPRESSED_FORMAT_VERSION
         return cls(hidden_size, aux, model, vocab_size, dtype, compute_dtype, shard_tokens, tuple(tensors),
                    format_version=version, final_hidden_state=final_hidden_state, compression=compression)
 
@@ -173,8 +197,8 @@ class StoreSpec:
         return sum(t.row_nbytes for t in self.tensors)
 
     def to_dict(self) -> dict[str, Any]:
-        """The root attributes; a version 1 spec (read from an old store) has no ``compute_dtype``, only version 3
-        has ``compression``."""
+        """The root attributes; a version 1 spec (read from an old store) has no ``compute_dtype``; ``compression``
+        is there in version 3, and in version 4 when the store is compressed."""
         dtypes = {"dtype": self.dtype, "compute_dtype": self.compute_dtype}
         if self.format_version == 1:
             del dtypes["compute_dtype"]
@@ -202,8 +226,9 @@ class StoreSpec:
         if type(version) is not int or version not in READABLE_VERSIONS:
             raise UnsupportedFormatError(f"Unsupported hsdata format version {version!r}. Expected one of "
                                          f"{', '.join(map(str, READABLE_VERSIONS))}.")
-        compressed = version == COMPRESSED_FORMAT_VERSION  # then ``compression`` is required
-        template = cls.new(1, [0], compression="zstd" if compressed else None)
+        compressed = version == COMPRESSED_FORMAT_VERSION or (version == FP8_FORMAT_VERSION and "compression" in d)
+        template = cls.new(1, [0], compression="zstd" if compressed else None,
+                           dtype=FP8_DTYPES[0] if version == FP8_FORMAT_VERSION else "bfloat16")
         expected_keys = set(replace(template, format_version=version).to_dict())
         if set(d) != expected_keys:
             missing, extra = sorted(expected_keys - set(d)), sorted(set(d) - expected_keys)
@@ -219,7 +244,10 @@ class StoreSpec:
             raise UnsupportedFormatError(f"hsdata attributes: final_hidden_state is {d['final_hidden_state']!r}, "
                                          f"expected one of {', '.join(map(repr, FINAL_HIDDEN_STATES))}")
         try:
-            dtype = hidden_dtype("dtype", d["dtype"])
+            dtype = hidden_dtype("dtype", d["dtype"], stored=True)
+            if (dtype in FP8_DTYPES) != (version == FP8_FORMAT_VERSION):
+                raise ValueError(f"dtype {dtype} in a version {version} store (fp8 dtypes are version "
+                                 f"{FP8_FORMAT_VERSION}'s, and only its)")
             compute = None if d.get("compute_dtype") is None else hidden_dtype("compute_dtype", d["compute_dtype"])
             check_pair(dtype, compute)
             chunks = {n: d["tensors"][n]["chunk_tokens"] for n in TENSOR_NAMES}
@@ -290,4 +318,4 @@ def _check_power_of_two(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a power of two, got {value}")
 
 
-__all__ = ["COMPRESSED_FORMAT_VERSION", "FINAL_HIDDEN_STATES", "FORMAT_VERSION", "READABLE_VERSIONS", "StoreSpec", "TensorSpec", "TENSOR_NAMES"]
+__all__ = ["COMPRESSED_FORMAT_VERSION", "FINAL_HIDDEN_STATES", "FORMAT_VERSION", "FP8_FORMAT_VERSION", "READABLE_VERSIONS", "StoreSpec", "TensorSpec", "TENSOR_NAMES"]

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 from crc32c import crc32c
 
-from . import manifest, masks, removals, tables
+from . import manifest, masks, quantize, removals, tables
 from .arrow import array_of
 from .errors import CorruptDataError
 from .layout import (MANIFESTS, PARTS, array_document, array_node, group_document, load_spec, metadata_key,
@@ -569,7 +569,13 @@ class _StreamCheck:
             self._hasher.update(piece)
             if self._limit is not None and r.hashes[self.tensor.name] is not None and r.sample_id not in self._broken:
                 self._check_values(r.sample_id, piece)
-            if self.check_finite and r.sample_id not in self._non_finite:
+            if self.tensor.quantized and r.sample_id not in self._non_finite:  # always: fp8 rows carry scales
+                problem = quantize.invalid(np.frombuffer(piece, np.uint8), self.tensor.layers, self.spec.hidden_size,
+                                           self.tensor.logical_dtype)
+                if problem is not None:
+                    self._non_finite.add(r.sample_id)
+                    self._add("non_finite", problem, None, samples=[r.sample_id])
+            elif self.check_finite and r.sample_id not in self._non_finite:
                 mask = self.tensor.dtype.exponent_mask
                 if ((np.frombuffer(piece, self.tensor.dtype.bits) & mask) == mask).any():
                     self._non_finite.add(r.sample_id)

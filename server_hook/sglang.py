@@ -40,7 +40,8 @@ class HookConfig:
 
     store: str
     rid_prefix: str = RID_PREFIX  # store only requests whose rid starts with it; "" stores every request
-    store_dtype: str | None = None  # default: the dtype the server computes in; "bfloat16"/"float16" for float32
+    store_dtype: str | None = None  # default: the dtype the server computes in; "bfloat16"/"float16" for float32;
+    # "float8_e4m3fn": quantized on the GPU before the copy to the host (docs/format.md section 3b)
     aux_layers: list[int] | None = None  # "output of layer k" ids; default: the server's, else EAGLE-3's
     model: str | None = None  # default: the server's --model-path
     storage_options: dict = field(default_factory=dict)
@@ -62,7 +63,7 @@ class HookConfig:
         if not isinstance(config.get("rid_prefix", RID_PREFIX), str):
             raise ValueError("hsdata hook: \"rid_prefix\" must be a string")
         if config.get("store_dtype") is not None:
-            hidden_dtype("hsdata hook: store_dtype", config["store_dtype"])
+            hidden_dtype("hsdata hook: store_dtype", config["store_dtype"], stored=True)
         if config.get("compression") is not None:
             try:
                 compression.parse(config["compression"])

@@ -124,13 +124,14 @@ def test_joining_with_a_different_spec_is_an_error(store_path, change, message):
     (dict(aux_layers=[]), "aux_layers must be a non-empty list"),
     (dict(aux_layers=[1, 1, 2]), "aux_layers has repeated ids"),
     (dict(shard_tokens=100, chunk_tokens=16), r"shard_tokens \(100\) must be a multiple of chunk_tokens \(16\)"),
-    (dict(dtype="float64"), r"dtype must be one of bfloat16, float16, float32 \(a name or torch dtype\), "
+    (dict(dtype="float64"), r"dtype must be one of bfloat16, float16, float32, float8_e4m3fn, float8_e5m2 \(a name or torch "
+                            r"dtype\), "
                             r"got 'float64'"),
     (dict(dtype=torch.int8), r"dtype must be one of .*, got torch.int8"),
     (dict(compute_dtype="fp32"), r"compute_dtype must be one of .*, got 'fp32'"),
     (dict(dtype="float32", compute_dtype="bfloat16"),
-     r"cannot store bfloat16 hidden states as float32: the stored dtype must be the compute dtype, or float32 "
-     r"stored as bfloat16 or float16"),
+     r"cannot store bfloat16 hidden states as float32: the stored dtype must be the compute dtype, float32 "
+     r"stored as bfloat16 or float16, or any of them as fp8"),
     (dict(dtype="bfloat16", compute_dtype="float16"), r"cannot store float16 hidden states as bfloat16"),
 ])
 def test_bad_create_arguments(store_path, kwargs, message):
@@ -160,8 +161,9 @@ def test_bad_open_arguments(store_path, options, message):
 
 
 @pytest.mark.parametrize("version, message", [
-    (4, r"Unsupported hsdata format version 4. Expected one of 1, 2, 3."),
+    (5, r"Unsupported hsdata format version 5. Expected one of 1, 2, 3, 4."),
     (3, r"hsdata attributes: missing keys \['compression'\]"),  # version 3 is version 2 plus compression
+    (4, r"dtype bfloat16 in a version 4 store"),  # version 4 is fp8's
 ])
 def test_unsupported_format_version(store_path, version, message):
     with hsdata.create(str(store_path), **SPEC):

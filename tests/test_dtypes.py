@@ -169,13 +169,13 @@ def _retyped(attributes: dict, dtype: str, data_type: str) -> dict:
     (lambda a: {**_v1(a), "compute_dtype": "bfloat16"}, r"unknown keys \['compute_dtype'\]"),
     (lambda a: {k: v for k, v in a.items() if k != "compute_dtype"}, r"missing keys \['compute_dtype'\]"),
     (lambda a: {**_v1(_retyped(a, "float32", "float32"))}, r"dtype is 'float32', expected 'bfloat16'"),
-    (lambda a: {**a, "dtype": "float64"}, r"dtype must be one of bfloat16, float16, float32 .*got 'float64'"),
+    (lambda a: {**a, "dtype": "float64"}, r"dtype must be one of bfloat16, float16, float32, float8_e4m3fn, float8_e5m2 .*got 'float64'"),
     (lambda a: {**a, "compute_dtype": "int8"}, r"compute_dtype must be one of .*got 'int8'"),
     (lambda a: {**a, "compute_dtype": "float16"}, r"cannot store float16 hidden states as bfloat16"),
     (lambda a: {**a, "dtype": "float32", "compute_dtype": "float32"}, r"inconsistent"),  # tensors still say uint16
     (lambda a: _retyped(a, "float16", "uint16"), r"inconsistent"),
     (lambda a: {**a, "format_version": True}, r"Unsupported hsdata format version True"),
-    (lambda a: {**a, "format_version": 99}, r"Unsupported hsdata format version 99. Expected one of 1, 2, 3."),
+    (lambda a: {**a, "format_version": 99}, r"Unsupported hsdata format version 99. Expected one of 1, 2, 3, 4."),
 ])
 def test_root_attributes_are_parsed_strictly_per_version(store_path, attributes, change, message):
     _write_root(store_path, change(attributes))

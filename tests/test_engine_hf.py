@@ -130,7 +130,7 @@ def test_cli_refuses_a_store_dtype_it_cannot_convert_to(tmp_path):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
         "hsdata extract: error: cannot store bfloat16 hidden states as float32: the stored dtype must be the compute "
-        "dtype, or float32 stored as bfloat16 or float16"]
+        "dtype, float32 stored as bfloat16 or float16, or any of them as fp8"]
     assert not (tmp_path / "s").exists()
 
 

@@ -58,7 +58,7 @@ class Hidden:
 
     @classmethod
     def of_spec(cls, spec: StoreSpec) -> Hidden:
-        return cls(spec.tensor("hidden_states").dtype.torch, spec.tensor("aux_hidden_states").width,
+        return cls(spec.tensor("hidden_states").read_dtype, spec.tensor("aux_hidden_states").values_width,
                    spec.hidden_size)
 
     @classmethod

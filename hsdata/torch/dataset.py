@@ -54,6 +54,9 @@ class Eagle3Dataset(BatchReads, Dataset):
         self._url = store.url if isinstance(store, Store) else store
         self._open_options = {"storage_options": storage_options, "verify": verify, **open_options}
         self._store = store if isinstance(store, Store) else open_store(store, **self._open_options)
+        if not self._store.dequantize and self._store.spec.tensor("hidden_states").quantized:
+            raise ValueError(f"{self._url} is an fp8 store opened with dequantize=False: Eagle3Dataset reads fp8 "
+                             "states as bfloat16 (open it with dequantize=True)")
         self._store_size = len(self._store)
         self.max_length, self.on_error, self.meta = max_length, on_error, meta
         self._init_reads(read_ahead_bytes, threads, pin_memory)
