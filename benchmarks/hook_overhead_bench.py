@@ -4,7 +4,8 @@ A transformers Llama model of Llama-3-8B shape (random bf16 weights, SDPA) prefi
 (16K tokens) back to back, in three modes measured in the same run:
   none    no capture;
   naive   the aux layers and the final state copied with a plain ``.cpu()`` after each forward;
-  hsdata  ``hsdata.extract.capture.Capture.add_forward`` (pinned staging on a side stream, a writer thread, a real store).
+  hsdata  ``hsdata.extract.capture.Capture.add_forward`` (pinned staging on a side stream, a writer thread, a real store);
+  hsdata fp8  the same into a ``float8_e4m3fn`` store: quantized on the GPU (the copy stream) before the copy.
 Throughput is tokens per second over all forwards of a mode, synchronizing once at the end, so a side-stream copy
 overlaps the next forward as it does in a server. The capture's rows are read back from the store at the end and
 compared bit for bit with the GPU's.
@@ -23,6 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hsdata
+from hsdata import quantize
 from hsdata.extract.capture import Capture, Piece
 
 AUX_LAYERS = [1, 15, 28]  # EAGLE-3's defaults for 32 layers, "output of layer k"
@@ -56,7 +58,7 @@ def run(model, mode: str, batches: list[torch.Tensor], capture: Capture | None, 
             if mode == "naive":
                 torch.cat(captured, dim=-1).cpu()
                 final.cpu()
-            elif mode == "hsdata":
+            elif mode.startswith("hsdata"):
                 b, t = ids.shape
                 pieces = [Piece(f"f{n}-s{i}", 0, i * t, t) for i in range(b)]
                 aux = [a.reshape(b * t, -1) for a in captured]
@@ -85,34 +87,38 @@ def main() -> None:
                for _ in range(args.forwards)]
     run(model, "none", batches[:2], None, {})  # warm-up
     tokens = args.forwards * args.batch * args.seq
-    modes = ("none", "naive", "hsdata")
+    modes = ("none", "naive", "hsdata", "hsdata fp8")
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     keep: dict = {}
     checked: dict = {}
     for r in range(args.rounds):
         for mode in modes:
             capture = None
-            if mode == "hsdata":
+            if mode.startswith("hsdata"):
                 shutil.rmtree(args.store, ignore_errors=True)
-                writer = hsdata.create(args.store, hidden_size=4096, aux_layers=AUX_LAYERS, model="random/llama-3-8b")
+                writer = hsdata.create(args.store, hidden_size=4096, aux_layers=AUX_LAYERS, model="random/llama-3-8b",
+                                       dtype="float8_e4m3fn" if mode == "hsdata fp8" else "bfloat16")
                 capture = Capture(writer)
             times[mode].append(run(model, mode, [b.clone() for b in batches], capture, keep))
             if capture is not None:
                 drained = time.perf_counter()
                 capture.close()
                 times.setdefault(f"{mode}: drain after last forward", []).append(time.perf_counter() - drained)
-                if "store" not in checked:
+                if mode not in checked:  # each mode's store against the GPU's states (fp8: quantized on the CPU)
                     store = hsdata.open(args.store)
                     got = store.get("f0-s0")
-                    checked["store"] = (len(store), store.num_tokens * store.spec.token_nbytes)
-                    checked["parity"] = (
-                        torch.equal(got["aux_hidden_states"].view(torch.int16), keep["aux"].cpu().view(torch.int16))
-                        and torch.equal(got["hidden_states"].view(torch.int16), keep["final"].cpu().view(torch.int16)))
+                    want = {"aux_hidden_states": keep["aux"].cpu(), "hidden_states": keep["final"].cpu()}
+                    if mode == "hsdata fp8":
+                        want = {name: quantize.dequantize(quantize.quantize(v, layers, "float8_e4m3fn"), layers,
+                                                          4096, "float8_e4m3fn")
+                                for (name, v), layers in zip(want.items(), (len(AUX_LAYERS), 1))}
+                    checked[mode] = {"samples": len(store), "bytes": store.num_tokens * store.spec.token_nbytes,
+                                     "bit_exact": all(torch.equal(got[n].view(torch.int16), w.view(torch.int16))
+                                                      for n, w in want.items())}
     median = {m: sorted(t)[len(t) // 2] for m, t in times.items()}
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens_per_mode": tokens,
-        "samples_stored": checked["store"][0], "bytes_stored": checked["store"][1],
-        "bit_exact_vs_gpu": checked["parity"],
+        "stores": checked,
         "seconds": times,
         "tokens_per_s": {m: tokens / median[m] for m in modes},
         "throughput_lost": {m: 1 - median["none"] / median[m] for m in modes if m != "none"},

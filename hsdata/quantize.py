@@ -13,7 +13,7 @@ from .dtypes import DTYPES
 
 SCALE_BYTES = 4  # one float32 per token and layer
 DEQUANTIZED = torch.bfloat16  # what readers return
-DEQUANTIZE_TOKENS = 32  # tokens dequantized at once on a CPU: the 32-bit temporaries stay in cache
+DEQUANTIZE_TOKENS = 32  # tokens (de)quantized at once on a CPU: the 32-bit temporaries stay in cache
 
 
 def row_nbytes(layers: int, hidden_size: int) -> int:
@@ -36,14 +36,17 @@ def quantize(states: torch.Tensor, layers: int, dtype: str) -> torch.Tensor:
     """
     fp8 = DTYPES[dtype]
     tokens = states.shape[0]
-    x = states.reshape(tokens, layers, -1).to(torch.float32)
+    x = states.reshape(tokens, layers, -1)
     hidden = x.shape[2]
-    scale = x.abs().amax(dim=2, keepdim=True) / fp8.fp8_max
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     rows = torch.empty(tokens, layers, hidden + SCALE_BYTES, dtype=torch.uint8, device=states.device)
-    values = torch.div(x, scale).clamp_(-fp8.fp8_max, fp8.fp8_max)  # x / scale may round just past fp8_max
-    rows[:, :, :hidden] = values.to(fp8.torch).view(torch.uint8)
-    rows[:, :, hidden:] = scale.view(torch.uint8)
+    step = DEQUANTIZE_TOKENS if states.device.type == "cpu" else max(1, tokens)  # CPU: temporaries in cache
+    for start in range(0, tokens, step):
+        wide = x[start : start + step].to(torch.float32, copy=True)  # divided in place below
+        scale = wide.abs().amax(dim=2, keepdim=True).div_(fp8.fp8_max)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        values = wide.div_(scale).clamp_(-fp8.fp8_max, fp8.fp8_max)  # x / scale may round just past fp8_max
+        rows[start : start + step, :, :hidden] = values.to(fp8.torch).view(torch.uint8)
+        rows[start : start + step, :, hidden:] = scale.view(torch.uint8)
     return rows.reshape(tokens, -1)
 
 

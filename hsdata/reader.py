@@ -194,7 +194,8 @@ class Store:
         of samples that lie next to each other share requests.
 
         ``out``: for each sample, tensors to read some of its tensors into, by name (each contiguous, of the
-        dtype read, holding the sample's first rows: its rows of a padded batch, say); the sample's rows beyond
+        dtype read, or for an fp8 tensor uint8 to take its stored rows, holding the sample's first rows: its rows
+        of a padded batch, say); the sample's rows beyond
         them are read only to check its checksum (not at all with ``verify`` off), and the sample's dict holds
         the given tensor. ``inline``: read a local store on the calling thread (for callers that read several
         samples at once on threads of their own), instead of on the store's I/O threads.
@@ -258,7 +259,7 @@ class Store:
                  for t in tensors]
         outputs = []
         for tensor, destination in zip(tensors, given):
-            if tensor.quantized:  # read into a buffer, dequantized from it into place
+            if tensor.quantized and not _is_rows(destination):  # read into a buffer, dequantized from it
                 outputs.append(self._buffers.take(length * tensor.row_nbytes))
             elif destination is not None:
                 outputs.append(destination.view(torch.uint8).reshape(-1))
@@ -351,7 +352,7 @@ class Store:
         for tensor, output, given, hasher in zip(plan.tensors, plan.outputs, plan.given, plan.hashers):
             if self.verify:
                 self._check_hash(i, tensor, hasher.intdigest())
-            if tensor.quantized:
+            if tensor.quantized and not _is_rows(given):
                 out.update(self._dequantized(tensor, output, given, plan.shared))
                 continue
             if given is not None:
@@ -395,10 +396,12 @@ class Store:
         """``given`` checked as a place for the first rows of ``tensor`` of a sample of ``length`` tokens."""
         if given is None:
             return None
-        if tensor.quantized and not self.dequantize:
-            raise ValueError(f"sample {sample_id!r}: out[{tensor.name!r}] needs a store opened with dequantize on "
-                             "(its fp8 values and scales are read as they are)")
+        if tensor.quantized and not self.dequantize and not _is_rows(given):
+            raise ValueError(f"sample {sample_id!r}: out[{tensor.name!r}] must be uint8 rows as stored: the store "
+                             "was opened with dequantize off")
         dtype, width = tensor.read_dtype, tensor.values_width
+        if tensor.quantized and _is_rows(given):  # the stored rows, as they are
+            dtype, width = torch.uint8, tensor.width
         if given.dtype != dtype or not given.is_contiguous() or given.device.type != "cpu":
             raise ValueError(f"sample {sample_id!r}: out[{tensor.name!r}] must be a contiguous CPU tensor of "
                              f"{dtype}, got {given.dtype} on {given.device}"
@@ -523,6 +526,11 @@ def _iov(read: _Read) -> list:
         iov += (crc, destination[:size]) if iov else (destination[:size],)
         destination = destination[size:]
     return iov
+
+
+def _is_rows(given: torch.Tensor | None) -> bool:
+    """Whether a destination of an fp8 tensor takes its stored rows (uint8) rather than dequantized states."""
+    return given is not None and given.dtype == torch.uint8
 
 
 def _check_fields(fields: Iterable[str] | None) -> tuple[str, ...]:

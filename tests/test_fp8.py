@@ -261,3 +261,41 @@ def test_extract_stores_fp8_as_converting_its_bf16_store_does(tmp_path):
         got, want = extracted.get(sample_id), converted.get(sample_id)
         for name in ("aux_hidden_states", "aux_hidden_states_scale", "hidden_states", "hidden_states_scale"):
             assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), (sample_id, name)
+
+
+@pytest.mark.parametrize("convention, pack", [("hsdata", False), ("specforge", False), ("modelopt", False),
+                                              ("hsdata", True)])
+def test_a_batch_read_as_stored_and_dequantized_after_is_the_batch_read_dequantized(tmp_path, samples, convention,
+                                                                                    pack):
+    from hsdata.torch.batches import Layout, dequantized
+
+    dataset = Eagle3Dataset(write_fp8(tmp_path / "s", samples))
+    layout = Layout(convention, pack=pack)
+    positions = [4, 0, 5]
+    direct = dataset.start_batch(positions, layout, lambda n: torch.zeros(n, dtype=torch.uint8)).result().batch()
+    stored = dataset.start_batch(positions, layout, lambda n: torch.full((n,), 7, dtype=torch.uint8),
+                                 stored=True).result().stored()
+    assert stored["tensors"]["aux_hidden_states"].dtype == torch.uint8  # half the bytes cross to the device
+    later = dequantized(stored, dataset.spec)
+    flat_direct = {**direct, **direct.get("base_model_outputs", {})}
+    flat_later = {**later, **later.get("base_model_outputs", {})}
+    for key, value in flat_direct.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(flat_later[key], value), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_dequantizes_an_fp8_store_on_the_gpu(tmp_path, samples, workers):
+    path = write_fp8(tmp_path / "s", samples)
+    on_host = {b["sample_id"][0]: b for b in Loader(Eagle3Dataset(path), batch_size=1)}
+    loader = Loader(Eagle3Dataset(path), batch_size=1, num_workers=workers, multiprocessing_context="fork",
+                    device="cuda")
+    seen = 0
+    for batch in loader:
+        assert batch["aux_hidden_states"].is_cuda and batch["aux_hidden_states"].dtype == torch.bfloat16
+        want = on_host[batch["sample_id"][0]]
+        for key in ("aux_hidden_states", "hidden_states", "input_ids", "loss_mask"):
+            assert torch.equal(batch[key].cpu(), want[key]), key
+        seen += 1
+    assert seen == len(samples)

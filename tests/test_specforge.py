@@ -164,22 +164,25 @@ DRAFT_CONFIG = {
 }
 
 
-def _write_target(path: str) -> str:
-    """A target model directory holding what SpecForge's ``TargetHead`` loads: config and ``lm_head.weight``."""
+def _write_target(path: str, weight: torch.Tensor | None = None) -> str:
+    """A target model directory holding what SpecForge's ``TargetHead`` loads: config and ``lm_head.weight``
+    (``weight``, default random ``[V, H]``)."""
     from safetensors.torch import save_file
 
+    if weight is None:
+        weight = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+    vocab, hidden = weight.shape
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "vocab_size": V,
-                   "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128}, f)
-    weight = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+                   "vocab_size": vocab, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128}, f)
     save_file({"lm_head.weight": weight}, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": {"lm_head.weight": "model.safetensors"}}, f)
     return path
 
 
-def _build_models(work: str):
+def _build_models(work: str, config: dict = DRAFT_CONFIG, target_weight: torch.Tensor | None = None):
     """The tiny EAGLE-3 drafter (one layer, sdpa, a 64-token draft vocab) and the frozen target head, seeded."""
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
     from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
@@ -188,13 +191,14 @@ def _build_models(work: str):
     config_path = os.path.join(work, "draft.json")
     if not os.path.exists(config_path):
         with open(config_path, "w") as f:
-            json.dump(DRAFT_CONFIG, f)
-        _write_target(os.path.join(work, "target"))
+            json.dump(config, f)
+        _write_target(os.path.join(work, "target"), target_weight)
         g = torch.Generator().manual_seed(2)
-        draft_ids = torch.randperm(V, generator=g)[:DRAFT_V].sort().values
-        t2d = torch.zeros(V, dtype=torch.bool)
+        vocab, draft_vocab = config["vocab_size"], config["draft_vocab_size"]
+        draft_ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+        t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[draft_ids] = True
-        torch.save({"t2d": t2d, "d2t": draft_ids - torch.arange(DRAFT_V)}, os.path.join(work, "vocab_mapping.pt"))
+        torch.save({"t2d": t2d, "d2t": draft_ids - torch.arange(draft_vocab)}, os.path.join(work, "vocab_mapping.pt"))
     torch.manual_seed(0)
     draft = AutoDraftModel.from_config(AutoDraftModelConfig.from_file(config_path), attention_backend="sdpa",
                                        torch_dtype=torch.bfloat16)
@@ -205,12 +209,15 @@ def _build_models(work: str):
     return model, head
 
 
-def _train(work: str, name: str, source: str) -> dict:
+def _train(work: str, name: str, source: str, *, steps: int = STEPS, epochs: int = 1, max_len: int = MAX_LEN,
+           **models) -> dict:
+    """SpecForge's trainer, ``steps`` optimizer steps (over at most ``epochs``) from ``source`` (a ``.ckpt``
+    folder or a store); ``models``: :func:`_build_models`'s options."""
     from specforge.algorithms.builtin import builtin_algorithm_registry
     from specforge.launch import build_disagg_offline_runtime, build_offline_runtime
     from specforge.optimizer import BF16Optimizer
 
-    model, head = _build_models(work)
+    model, head = _build_models(work, **models)
     initial = {k: v.clone() for k, v in model.draft_model.state_dict().items()}
     grads: list[dict[str, torch.Tensor]] = []
     trainable = [(n, p) for n, p in model.draft_model.named_parameters() if p.requires_grad]
@@ -227,10 +234,10 @@ def _train(work: str, name: str, source: str) -> dict:
     metrics: list = []
     options = {
         "algorithm": builtin_algorithm_registry().resolve("eagle3"), "draft_model": model, "target_head": head,
-        "optimizer_factory": lambda module: BF16Optimizer(module, lr=1e-2, warmup_ratio=0.0, total_steps=STEPS,
+        "optimizer_factory": lambda module: BF16Optimizer(module, lr=1e-2, warmup_ratio=0.0, total_steps=steps,
                                                           lr_scheduler="constant"),
-        "run_id": name, "output_dir": os.path.join(work, f"out-{name}"), "ttt_length": TTT, "max_len": MAX_LEN,
-        "batch_size": BATCH, "max_steps": STEPS, "seed": 0, "log_interval": 1,
+        "run_id": name, "output_dir": os.path.join(work, f"out-{name}"), "ttt_length": TTT, "max_len": max_len,
+        "batch_size": BATCH, "max_steps": steps, "num_epochs": epochs, "seed": 0, "log_interval": 1,
         "logger": lambda values, step: metrics.append(
             (step, {k: v for k, v in values.items() if not k.startswith("perf/")})),
     }
@@ -241,9 +248,9 @@ def _train(work: str, name: str, source: str) -> dict:
 
         store = HsdataFeatureStore(source)
         trainer = build_disagg_offline_runtime(  # fetching on 2 loader threads
-            feature_store=store, refs=store.refs(run_id=name, ttt_length=TTT, max_len=MAX_LEN),
+            feature_store=store, refs=store.refs(run_id=name, ttt_length=TTT, max_len=max_len),
             dataloader_num_workers=2, **options)
-    assert trainer.fit() == STEPS
+    assert trainer.fit() == steps
     weights = trainer.core.strategy.checkpoint_state_filter(trainer.backend.state_dict()["model"])
     initial = trainer.core.strategy.checkpoint_state_filter({f"draft_model.{k}": v for k, v in initial.items()})
     return {"metrics": metrics, "grads": grads, "initial": initial,

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import quantize
 from ..spec import StoreSpec
 
 CONVENTIONS = ("hsdata", "specforge", "modelopt")
@@ -57,9 +58,12 @@ class Hidden:
     width: int
 
     @classmethod
-    def of_spec(cls, spec: StoreSpec) -> Hidden:
-        return cls(spec.tensor("hidden_states").read_dtype, spec.tensor("aux_hidden_states").values_width,
-                   spec.hidden_size)
+    def of_spec(cls, spec: StoreSpec, *, stored: bool = False) -> Hidden:
+        """As read (an fp8 store's dequantized), or with ``stored`` as the store holds them (its fp8 rows)."""
+        aux, final = spec.tensor("aux_hidden_states"), spec.tensor("hidden_states")
+        if stored and final.quantized:
+            return cls(torch.uint8, aux.width, final.width)
+        return cls(final.read_dtype, aux.values_width, final.values_width)
 
     @classmethod
     def of_item(cls, item: dict[str, Any]) -> Hidden:
@@ -191,6 +195,26 @@ class Built:
     def batch(self) -> dict[str, Any]:
         """The batch as its convention lays it out (``collate_eagle3``'s docstring)."""
         return assemble(self.plan.layout.convention, self.tensors, self.sample_ids, self.metas)
+
+    def stored(self) -> dict[str, Any]:
+        """The batch before its states are dequantized and laid out (:func:`dequantized` does both)."""
+        return {"convention": self.plan.layout.convention, "tensors": self.tensors, "sample_ids": self.sample_ids,
+                "metas": self.metas}
+
+
+def dequantized(built: dict[str, Any], spec: StoreSpec) -> dict[str, Any]:
+    """A batch read as the store holds it (``{"convention", "tensors", "sample_ids", "metas"}``, its hidden
+    states fp8 rows: :meth:`Built.stored`), on any device, with its states dequantized there and laid out in its
+    convention."""
+    tensors = dict(built["tensors"])
+    for name in HIDDEN:
+        rows = tensors[name]
+        if rows.dtype == torch.uint8:  # (a batch made again from items after a corrupt sample is read already)
+            tensor = spec.tensor(name)
+            states = quantize.dequantize(rows.reshape(-1, tensor.width), tensor.layers, spec.hidden_size,
+                                         tensor.logical_dtype)
+            tensors[name] = states.view(*rows.shape[:-1], tensor.values_width)
+    return assemble(built["convention"], tensors, built["sample_ids"], built["metas"])
 
 
 def assemble(convention: str, tensors: dict[str, torch.Tensor], sample_ids: list[str],

@@ -85,6 +85,10 @@ class Eagle3Dataset(BatchReads, Dataset):
         return self._store
 
     @property
+    def spec(self):
+        return self.store.spec
+
+    @property
     def hidden(self) -> Hidden:
         return Hidden.of_spec(self.store.spec)
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 
-def to_device(batches: Iterable[Any], device: torch.device | str, *, ahead: int = 1) -> Iterator[Any]:
+def to_device(batches: Iterable[Any], device: torch.device | str, *, ahead: int = 1,
+              transform: Callable[[Any], Any] | None = None) -> Iterator[Any]:
     """``batches`` (dicts, lists and tuples of tensors and other values) with every tensor moved to ``device``.
 
     On a CUDA device a feeder thread takes the batches from ``batches`` and copies them on a side stream, so
@@ -19,23 +20,27 @@ def to_device(batches: Iterable[Any], device: torch.device | str, *, ahead: int 
     holds the batch in use plus up to ``ahead`` more; the host keeps each batch until its copy is done, so pinned
     buffers (``Loader``'s) are reused only then. Copies from pinned memory are asynchronous; from pageable memory
     CUDA stages them, which is correct but slower. Any other device: each batch is moved as it comes.
+    ``transform(batch)``: what the loop gets of each moved batch, made on the device (on the side stream: an fp8
+    batch's states dequantized there, say).
     """
     if ahead < 0:
         raise ValueError(f"ahead must be >= 0, got {ahead}")
     device = torch.device(device)
     if device.type != "cuda":
         for batch in batches:
-            yield _move(batch, device, non_blocking=False)
+            moved = _move(batch, device, non_blocking=False)
+            yield moved if transform is None else transform(moved)
         return
-    yield from _CudaPrefetch(iter(batches), device, ahead)
+    yield from _CudaPrefetch(iter(batches), device, ahead, transform)
 
 
 class _CudaPrefetch:
     """The feeder thread and the loop's side of it: ``ahead + 1`` slots, one per batch on the GPU not yet done
     with; the loop frees one each time it asks for the next batch."""
 
-    def __init__(self, batches: Iterator[Any], device: torch.device, ahead: int):
-        self._batches, self._device = batches, device
+    def __init__(self, batches: Iterator[Any], device: torch.device, ahead: int,
+                 transform: Callable[[Any], Any] | None):
+        self._batches, self._device, self._transform = batches, device, transform
         self._slots = threading.Semaphore(ahead + 1)
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # (moved, copied), _END or a _Failure
         self._stop = threading.Event()
@@ -73,6 +78,8 @@ class _CudaPrefetch:
                         break
                     with torch.cuda.stream(stream):
                         moved = _move(host, self._device, non_blocking=True)
+                        if self._transform is not None:
+                            moved = self._transform(moved)
                         copied = torch.cuda.Event()
                         copied.record(stream)
                     copying.append((host, copied))

@@ -15,7 +15,7 @@ from ..io import segments
 from ..io.ring import MIN_ARENA_BYTES, Ring
 from ..io.segments import SharedBatch
 from ..io.threads import ProcessLocalPool
-from .batches import Layout
+from .batches import Layout, dequantized
 from .device import to_device
 from .readahead import BatchReads, ReadAhead, default_threads
 from .samplers import ShardAwareSampler
@@ -40,7 +40,8 @@ class Loader:
       over, and the memory is reused all epoch.
     - ``device`` (e.g. ``"cuda"``): batches arrive on it, each copied on a side stream while the step before it
       runs (:func:`to_device`, holding ``ahead`` batches beyond the one in use). The host memory is then pinned
-      (``pin_memory=None`` pins exactly when ``device`` is a CUDA device), so the copies are asynchronous.
+      (``pin_memory=None`` pins exactly when ``device`` is a CUDA device), so the copies are asynchronous. An fp8
+      store's batches cross as the store holds them (half of bf16's bytes) and are dequantized on the GPU.
 
     A batch's tensors stay valid for as long as they (or views of them) are referenced: memory is reused only
     after that. ``set_epoch``, ``state_dict`` and ``load_state_dict`` go to the sampler, counting the samples (or
@@ -76,6 +77,9 @@ class Loader:
         self.device = None if device is None else torch.device(device)
         self.ahead = ahead
         self.pin_memory = (self.device is not None and self.device.type == "cuda") if pin_memory is None else pin_memory
+        # an fp8 store's states go to a CUDA device as stored (half the bytes) and are dequantized there
+        self._stored = self.device is not None and self.device.type == "cuda" and dataset.spec.tensor(
+            "hidden_states").quantized
         self._pool = ProcessLocalPool(self.threads, "hsdata-loader")
         self._buffers: Ring | None = None
         self._workers: DataLoader | None = None
@@ -102,7 +106,8 @@ class Loader:
         self._consumed = 0
         units: collections.deque[int] = collections.deque()  # what each batch in flight counts for the sampler
         host = self._read_here(units) if self.num_workers == 0 else self._read_in_workers(units)
-        batches = host if self.device is None else to_device(host, self.device, ahead=self.ahead)
+        transform = partial(dequantized, spec=self.dataset.spec) if self._stored else None
+        batches = host if self.device is None else to_device(host, self.device, ahead=self.ahead, transform=transform)
         for batch in batches:
             self._consumed += units.popleft()
             yield batch
@@ -129,11 +134,13 @@ class Loader:
         if self._buffers is None:
             self._buffers = Ring(pinned=self.pin_memory and pinning.available(),  # room for the read-ahead
                                  min_arena_bytes=self.prefetch_bytes + self.prefetch_bytes // 4 + MIN_ARENA_BYTES)
-        start = partial(self.dataset.start_batch, layout=self.layout, take=self._buffers.take, pool=self._pool)
+        start = partial(self.dataset.start_batch, layout=self.layout, take=self._buffers.take, pool=self._pool,
+                        stored=self._stored)
         ahead = ReadAhead(start, self._positions(units), self.prefetch_bytes)
         try:
             while (pending := ahead.next()) is not None:
-                yield pending.result().batch()
+                built = pending.result()
+                yield built.stored() if self._stored else built.batch()
         finally:
             ahead.close()
             self._buffers.trim()
@@ -141,7 +148,7 @@ class Loader:
     def _read_in_workers(self, units: collections.deque[int]) -> Iterator[Any]:
         if self._workers is None:
             lending = _WorkerBatches(self.dataset, self.layout, threads=max(2, self.threads // self.num_workers),
-                                     pin=self.pin_memory)
+                                     pin=self.pin_memory, stored=self._stored)
             self._batches = _Batches()
             self._workers = DataLoader(lending, batch_sampler=self._batches, collate_fn=_unchanged,
                                        num_workers=self.num_workers, multiprocessing_context=self.multiprocessing_context,
@@ -180,13 +187,14 @@ class _WorkerBatches(Dataset):
     """The dataset as a DataLoader worker reads it for :class:`Loader`: each batch in the Loader's layout, into
     shared memory lent to the training process (:mod:`hsdata.io.segments`)."""
 
-    def __init__(self, dataset: BatchReads, layout: Layout, *, threads: int, pin: bool):
-        self.dataset, self.layout, self.pin = dataset, layout, pin
+    def __init__(self, dataset: BatchReads, layout: Layout, *, threads: int, pin: bool, stored: bool):
+        self.dataset, self.layout, self.pin, self.stored = dataset, layout, pin, stored
         self._pool = ProcessLocalPool(threads, "hsdata-worker-read")
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitems__(self, positions: list[int]) -> SharedBatch:
-        built = self.dataset.start_batch(positions, self.layout, segments.take, self._pool, spread=True).result()
-        return SharedBatch(built.batch(), pin=self.pin)
+        built = self.dataset.start_batch(positions, self.layout, segments.take, self._pool, spread=True,
+                                         stored=self.stored).result()
+        return SharedBatch(built.stored() if self.stored else built.batch(), pin=self.pin)

@@ -75,6 +75,10 @@ class Mixture(BatchReads, Dataset):
     def hidden(self) -> Hidden:
         return self.datasets[0].hidden
 
+    @property
+    def spec(self):
+        return self.datasets[0].spec
+
     def __getstate__(self) -> dict:  # the thread pool pickles without its threads
         return {**self.__dict__, "_ahead": None, "_announced": None, "_buffers": None}
 

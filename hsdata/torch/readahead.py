@@ -18,7 +18,8 @@ from ..io import pinned as pinning
 from ..io import segments
 from ..io.ring import Ring
 from ..io.threads import ProcessLocalPool
-from .batches import BatchItems, Built, Layout, collate, fill_row, finish_pack, flat, hidden_rows, plan, views
+from .batches import (BatchItems, Built, Hidden, Layout, collate, fill_row, finish_pack, flat, hidden_rows, plan,
+                      views)
 
 GROUP_BYTES = 8 << 20  # neighbouring samples of a batch (of one store) read together, up to about this many bytes
 GROUP_ITEMS = 64
@@ -29,10 +30,11 @@ class Pending:
     """A batch being read: its plan and tensors, and the reads filling them (each a group of its samples)."""
 
     def __init__(self, source, positions: list[int], layout: Layout, take: Callable, pool: ProcessLocalPool,
-                 spread: bool = False):
+                 spread: bool = False, stored: bool = False):
         self._source, self._positions, self._layout, self._take = source, positions, layout, take
         located = source._locate(positions)
-        self._plan = plan(layout, source.hidden, source.lengths[positions])
+        hidden = Hidden.of_spec(source.spec, stored=True) if stored else source.hidden
+        self._plan = plan(layout, hidden, source.lengths[positions])
         self.nbytes = self._plan.nbytes
         self._tensors = views(self._plan, take(self._plan.nbytes))
         if layout.pack:
@@ -142,7 +144,7 @@ class ReadAhead:
 class BatchReads:
     """Reading for ``Eagle3Dataset`` and ``Mixture``: items and batches read into place, ahead once the order is
     announced. A subclass gives ``_locate(positions)`` (each position's dataset and store index), ``lengths`` (after
-    truncation), ``_sample_nbytes`` (stored), ``hidden`` (a :class:`~hsdata.torch.batches.Hidden`), ``_items``
+    truncation), ``_sample_nbytes`` (stored), ``hidden`` (a :class:`~hsdata.torch.batches.Hidden`), ``spec``, ``_items``
     (items read one by one, the path that replaces corrupt samples) and ``_skips_corrupt(positions)``."""
 
     def _init_reads(self, read_ahead_bytes: int, threads: int | None, pin_memory: bool | None) -> None:
@@ -179,11 +181,12 @@ class BatchReads:
         return self._read_items([int(i) for i in positions])
 
     def start_batch(self, positions: list[int], layout: Layout, take: Callable[[int], Any],
-                    pool: ProcessLocalPool | None = None, spread: bool = False) -> Pending:
+                    pool: ProcessLocalPool | None = None, spread: bool = False, stored: bool = False) -> Pending:
         """Start reading the batch of ``positions`` in ``layout`` into a block from ``take(nbytes)`` on ``pool``'s
         threads (default: this dataset's); ``spread``: each sample's ranges on the store's I/O threads at once
-        (for a batch read alone: a DataLoader worker's)."""
-        return Pending(self, positions, layout, take, pool or self._pool, spread)
+        (for a batch read alone: a DataLoader worker's); ``stored``: an fp8 store's states as it holds them
+        (``Built.stored``; dequantized later, on a GPU)."""
+        return Pending(self, positions, layout, take, pool or self._pool, spread, stored)
 
     def _read_items(self, positions: list[int]) -> BatchItems:
         pending = self._take_ahead(positions) or self.start_batch(positions, ITEMS_LAYOUT, self._take, spread=True)

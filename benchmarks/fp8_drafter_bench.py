@@ -1,0 +1,122 @@
+"""The drafter trained from an fp8 store against the same run from the bf16 store it was converted from.
+
+The demo model's states (``hsdata extract``'s embedded default: 24 conversations, H = 256, bf16) are stored bf16
+and converted with ``hsdata convert --dtype float8_e4m3fn``. SpecForge 0.2.0's own trainer (the path of
+tests/test_specforge.py: ``build_disagg_offline_runtime`` fed by ``hsdata.integrations.specforge``, on the CPU)
+trains a one-layer EAGLE-3 drafter against the demo model's own ``lm_head``, the same steps with the same seed,
+once from each store. Reported per run: the loss and SpecForge's accuracies (the drafter's top-1 agreement with
+the target's next token, per TTT position) at every step, and their means over the last ``--tail`` steps.
+
+    python benchmarks/fp8_drafter_bench.py --dir /tmp/hsbench-drafter --steps 48 --json benchmarks/results/fp8_drafter_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+import hsdata
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = ("bf16", "fp8")
+
+
+def draft_config(hidden: int, vocab: int) -> dict:
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 1, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": vocab,
+            "draft_vocab_size": vocab, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def prepare(work: str) -> dict:
+    from hsdata.extract import demo
+
+    bf16, fp8 = os.path.join(work, "bf16"), os.path.join(work, "fp8")
+    subprocess.run([sys.executable, "-m", "hsdata", "extract", "--out", bf16], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "hsdata", "convert", bf16, fp8, "--dtype", "float8_e4m3fn"], check=True,
+                   capture_output=True)
+    spec = hsdata.open(bf16).spec
+    head = demo.model(spec.vocab_size, seed=0).lm_head.weight.detach().float()  # the extract's own model
+    torch.save(head, os.path.join(work, "lm_head.pt"))
+    return {"hidden": spec.hidden_size, "vocab": spec.vocab_size, "samples": len(hsdata.open(bf16)),
+            "max_length": int(hsdata.open(bf16).lengths.max())}
+
+
+def train(work: str, steps: int) -> None:
+    """In the subprocess: SpecForge's trainer from each store, in a fresh folder each (same seeds)."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_specforge import BATCH, _train
+
+    facts = json.load(open(os.path.join(work, "facts.json")))
+    config = draft_config(facts["hidden"], facts["vocab"])
+    weight = torch.load(os.path.join(work, "lm_head.pt"))
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    dist.init_process_group("gloo", init_method=f"file://{work}/process-group", rank=0, world_size=1)
+    try:
+        runs = {}
+        for name in RUNS:
+            folder = os.path.join(work, f"train-{name}")
+            os.makedirs(folder)
+            epochs = -(-steps * BATCH // facts["samples"])
+            runs[name] = _train(folder, name, os.path.join(work, name), steps=steps, epochs=epochs,
+                                max_len=facts["max_length"], config=config, target_weight=weight)["metrics"]
+    finally:
+        dist.destroy_process_group()
+    torch.save(runs, os.path.join(work, "runs.pt"))
+
+
+def summary(runs: dict, tail: int) -> dict:
+    out = {}
+    for name, metrics in runs.items():
+        keys = sorted({k for _, m in metrics for k in m if isinstance(m[k], (int, float))})
+        last = metrics[-tail:]
+        out[name] = {"steps": len(metrics), "final": metrics[-1][1],
+                     "tail_mean": {k: sum(m[k] for _, m in last) / len(last) for k in keys}}
+    base, fp8 = out["bf16"]["tail_mean"], out["fp8"]["tail_mean"]
+    out["fp8_vs_bf16_relative"] = {k: (fp8[k] - base[k]) / abs(base[k]) for k in base if base[k]}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--tail", type=int, default=12, help="steps averaged at the end (one epoch: 12)")
+    parser.add_argument("--json")
+    parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)  # the subprocess
+    args = parser.parse_args()
+    if args.train:
+        train(args.dir, args.steps)
+        return
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    facts = prepare(args.dir)
+    json.dump(facts, open(os.path.join(args.dir, "facts.json"), "w"))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_specforge import TRAINING_ENV
+
+    subprocess.run([sys.executable, __file__, "--dir", args.dir, "--steps", str(args.steps), "--train"], check=True,
+                   env={**os.environ, **TRAINING_ENV})
+    runs = torch.load(os.path.join(args.dir, "runs.pt"), weights_only=False)
+    result = {"facts": facts, "steps": args.steps, "tail": args.tail, **summary(runs, args.tail),
+              "per_step": {name: [(s, m) for s, m in metrics] for name, metrics in runs.items()}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    for name in RUNS:
+        print(name, json.dumps({k: round(v, 4) for k, v in result[name]["tail_mean"].items()}))
+    print("fp8 vs bf16 (relative)", json.dumps({k: round(v, 4) for k, v in result["fp8_vs_bf16_relative"].items()}))
+
+
+if __name__ == "__main__":
+    main()
