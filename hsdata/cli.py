@@ -679,17 +679,22 @@ def _model_facts(model: str | None) -> tuple[int | None, int | None]:
     return config.get("num_hidden_layers"), config.get("vocab_size")
 
 
-def _export(args: argparse.Namespace) -> int:
-    from .formats.exporter import run_export
-
+def _with_progress(name: str, run: Callable):
+    """``run(on_plan, on_sample)``'s result, with a bar of samples made at its plan and stepped per sample."""
     bars: list[Progress] = []
     try:
-        summary = run_export(args.fmt, args.store, args.dest, storage_options=_storage_options(args.storage_option),
-                             on_plan=lambda n: bars.append(Progress("export", unit="sample", total=n)),
-                             on_sample=lambda tokens: bars[0].update(1))
+        return run(lambda n: bars.append(Progress(name, unit="sample", total=n)), lambda tokens: bars[0].update(1))
     finally:
         for bar in bars:
             bar.close()
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .formats.exporter import run_export
+
+    summary = _with_progress("export", lambda on_plan, on_sample: run_export(
+        args.fmt, args.store, args.dest, storage_options=_storage_options(args.storage_option), on_plan=on_plan,
+        on_sample=on_sample))
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))
         return 0 if not summary.failed else 1
@@ -704,17 +709,12 @@ def _export(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
-    bars: list[Progress] = []
     options = _storage_options(args.storage_option)
     compression = None if args.compression in (None, "none") else args.compression
-    try:
-        summary = convert(args.src, args.dest, dtype=args.dtype, compression=compression, storage_options=options,
-                          dest_storage_options=options, provenance={"command": args.command_line},
-                          on_plan=lambda n: bars.append(Progress("convert", unit="sample", total=n)),
-                          on_sample=lambda tokens: bars[0].update(1))
-    finally:
-        for bar in bars:
-            bar.close()
+    summary = _with_progress("convert", lambda on_plan, on_sample: convert(
+        args.src, args.dest, dtype=args.dtype, compression=compression, storage_options=options,
+        dest_storage_options=options, provenance={"command": args.command_line}, on_plan=on_plan,
+        on_sample=on_sample))
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))
         return 0
