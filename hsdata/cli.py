@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="ShareGPT (conversations), OpenAI (messages) or pre-tokenized (input_ids) rows; "
                               "default with the demo model: its shipped conversations")
     extract.add_argument("--tokenizer", type=_model_path,
-                         help="tokenizer path or hub id (chat template); default: the model's")
+                         help="a local tokenizer folder (chat template); default: the model's")
     extract.add_argument("--out", required=True, help="the store to write (path or fsspec URL)")
     extract.add_argument("--aux-layers", type=int, nargs="+", metavar="K",
                          help="--engine hf: \"output of layer k\" ids (default: EAGLE-3's [1, N//2-1, N-4])")
@@ -143,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"info": _info, "validate": _validate, "gc": _gc, "extract": _extract, "show": _show,
                 "remove": _remove, "import": _import, "export": _export, "convert": _convert}[args.command](args)
+    except BrokenPipeError:  # `hsdata info STORE | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 128 + signal.SIGPIPE  # what the shell reports for a command ended by its closed pipe
     except (HsdataError, OSError, ValueError, MemoryError) as e:
         message = " ".join(str(e).split())
         print(f"hsdata {args.command}: error: {message}", file=sys.stderr)
@@ -179,14 +183,17 @@ def _existing_file(text: str) -> str:
 
 
 def _model_path(text: str) -> str:
-    """A local folder or file; anything shaped like a path (``/``, ``.``, ``~``, several ``/``) must exist, a
-    plain ``org/name`` is taken as a Hugging Face hub id."""
+    """A local folder or file that exists. A hub id (``gpt2``, ``org/name``) is refused before anything loads:
+    hsdata reads models and tokenizers offline."""
     path = os.path.expanduser(text)
     if os.path.exists(path):
         return path
     if text.startswith(("/", ".", "~")) or text.count("/") > 1 or text.endswith(".json"):
         raise argparse.ArgumentTypeError(f"no such path: {text}")
-    return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a local folder or file (a hub id?): hsdata loads models and tokenizers from local paths "
+        f"only; download it first, e.g. `huggingface-cli download {text} --local-dir ./{text.split('/')[-1]}`, and "
+        "pass that folder")
 
 
 def _device(text: str) -> str:

@@ -188,3 +188,27 @@ def test_remove_takes_samples_or_their_added_masks_out_and_refuses_unknown_ids(c
     assert code == 2 and err.count("\n") == 1
     assert "2 of 2 sample removals refused, nothing written: sample 'a': not a committed sample" in err
     assert sorted(p.name for p in (store_path / "removals").iterdir()) == removals
+
+
+@pytest.mark.parametrize("command", [["info"], ["validate", "--verbose"], ["show", "s0", "--json"]])
+def test_a_closed_pipe_ends_the_command_quietly_as_the_shell_expects(store_path, command):
+    """``hsdata info STORE | head``: the reader goes away; no error line, exit status 128 + SIGPIPE (or 0 when
+    everything was written before it went)."""
+    write_store(store_path, {"s0": make_sample(40, seed=0)})
+    args = [sys.executable, "-m", "hsdata", command[0], str(store_path), *command[1:]]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before it writes: its first write finds no reader
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 141) and err == ""
+
+
+@pytest.mark.parametrize("option, value", [("--model", "gpt2"), ("--model", "meta-llama/Llama-3.1-8B"),
+                                           ("--tokenizer", "org/name")])
+def test_a_hub_id_is_refused_up_front_naming_the_option_and_how_to_download_it(capsys, tmp_path, option, value):
+    from hsdata.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["extract", option, value, "--out", str(tmp_path / "s")])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"argument {option}: {value!r} is not a local folder or file" in err
+    assert f"huggingface-cli download {value} --local-dir" in err and not (tmp_path / "s").exists()
