@@ -33,7 +33,7 @@ from .removals import REMOVALS
 from .compression import decode_into
 from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, encoded_chunk_nbytes, index_nbytes, index_spans,
                     token_ranges)
-from .spec import HIDDEN_TENSORS, TENSOR_NAMES, StoreSpec, TensorSpec
+from .spec import HIDDEN_TENSORS, MAX_INPUT_ID, TENSOR_NAMES, StoreSpec, TensorSpec
 from .io.storage import Storage
 
 BLOCK_BYTES = 64 << 20  # one read while streaming a shard
@@ -420,8 +420,8 @@ class _StreamCheck:
         self._bad_value: int | None = None
         self._codec = tensor.compression.codec(tensor.itemsize) if tensor.compression is not None else None
         self._chunk: memoryview | None = None  # a compressed chunk's payload, decoded (_decompressed)
-        self._limit = (2 if tensor.name == "loss_mask" else spec.vocab_size if tensor.name == "input_ids" and
-                       spec.vocab_size is not None else None)  # values must be >= 0 and < this
+        ids_limit = MAX_INPUT_ID + 1 if spec.vocab_size is None else spec.vocab_size  # negative ids: always
+        self._limit = {"loss_mask": 2, "input_ids": ids_limit}.get(tensor.name)  # values must be >= 0 and < this
 
     def run(self) -> None:
         st = self.spec.shard_tokens

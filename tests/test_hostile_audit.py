@@ -327,3 +327,14 @@ def test_validate_says_plainly_that_the_server_ignored_the_range_header(tmp_path
     assert report.problems and all(p.kind == "unreadable" and "the server ignored the Range header" in p.message
                                    and len(p.samples) == 3 for p in report.problems)
     assert len(report.problems) == 4  # one per shard file
+
+
+def test_a_negative_input_id_is_found_without_a_recorded_vocab_size(store_path):
+    sample = make_sample(10, 0)
+    with hsdata.create(str(store_path), **SPEC, **LAYOUT) as w:  # no vocab_size
+        w.add("s", **sample)
+        w.add("t", **sample)
+    set_values(store_path, "s", "input_ids", np.array([5, -7] + [7] * 8))
+    report = validate(str(store_path))
+    assert [(p.kind, p.sample_id, p.tensor, p.message) for p in report.problems] == [
+        ("values", "s", "input_ids", f"input_ids holds -7, outside [0, {2**31})")]
