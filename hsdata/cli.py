@@ -343,6 +343,8 @@ def _validate(args: argparse.Namespace) -> int:
         if args.verbose and len(problem.samples) > 1:
             for sample_id in problem.samples:
                 print(f"    sample {sample_id!r}")
+    for note in report.notes:
+        print(f"note: {note}")
     if report.leftovers:
         print(f"note: {len(report.leftovers)} uncommitted file(s) left by writers that stopped or are still "
               f"running (not an error; `hsdata gc {args.store}` lists them)")

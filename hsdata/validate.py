@@ -41,6 +41,7 @@ REFUSES_GC = ("manifest", "bounds")  # problems that leave what is committed unk
 _TENSOR = "|".join(TENSOR_NAMES)
 _SHARD = re.compile(rf"^{PARTS}/(?P<part>[A-Za-z0-9_-]+)/(?P<tensor>{_TENSOR})/c/(?P<shard>0|[1-9][0-9]*)(?P<inner>/0)?$")
 _NODE = re.compile(rf"^{PARTS}/(?P<part>[A-Za-z0-9_-]+)(/({_TENSOR}))?/zarr\.json$")
+NAMED_SAMPLES = 3  # samples a problem's line names before it gives a count
 _PARTIAL = re.compile(r"(^|/)\.[^/]+\.partial$")
 
 
@@ -79,6 +80,7 @@ class Report:
     bytes_checked: int = 0
     problems: list[Problem] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # damage no committed sample's bytes lie in (not an error)
 
     @property
     def ok(self) -> bool:
@@ -149,6 +151,7 @@ def validate(url: str, *, storage_options: dict | None = None, workers: int = 4,
         checker.run()
         with lock:
             report.problems.extend(checker.problems)
+            report.notes.extend(checker.notes)
             report.bytes_checked += checker.bytes_checked
 
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="hsdata-validate") as pool:
@@ -409,12 +412,16 @@ class _StreamCheck:
         self.check_finite = check_finite and tensor.name in HIDDEN_TENSORS
         self.progress = progress
         self.problems: list[Problem] = []
+        self.notes: list[str] = []
         self.bytes_checked = 0
         self._offsets = [r.offset for r in rows]
         self._max_ends = list(accumulate((r.end for r in rows), max))
         self._next = 0  # first row not yet finished
         self._hasher = manifest.content_hasher()
         self._broken: set[str] = set()  # rows with a problem found already: no hash verdict for them
+        self._in_bad_chunks: set[str] = set()  # rows in a chunk failing its crc32c: their xxh3 says if they are hit
+        self._hash_failed: set[str] = set()  # of those, the ones whose xxh3 differs
+        self._bad_chunk_problems: list[tuple[str, str, tuple, list[str], int]] = []  # reported once verdicts are in
         self._non_finite: set[str] = set()
         self._bad_values: list[str] = []  # samples whose values are out of range, and the first such value
         self._bad_value: int | None = None
@@ -436,6 +443,20 @@ class _StreamCheck:
         if self._bad_values:
             self._add("values", f"{self.tensor.name} holds {self._bad_value}, outside [0, {self._limit})",
                       None, samples=self._bad_values)
+        for what, key, byte_range, affected, undecoded in self._bad_chunk_problems:
+            damaged = self._damaged(affected)
+            message = _bad_chunk_message(what, affected, damaged, undecoded)
+            if damaged:
+                self._add("checksum", message, key, byte_range, damaged)
+            else:  # every sample reads back intact: nothing to repair, nothing training would see
+                self.notes.append(f"part {self.part}, tensor {self.tensor.name}, {self.storage.describe(key)} "
+                                  f"bytes [{byte_range[0]}, {byte_range[1]}): {message}")
+
+    def _damaged(self, affected: list[str]) -> list[str]:
+        """Of the samples in chunks failing their crc32c, those whose bytes are hit: their xxh3 differs, or it
+        could not be computed (a chunk that does not decompress, a sample stored without that tensor's hash)."""
+        hashes = {r.sample_id: r.hashes[self.tensor.name] for r in self.rows}
+        return [s for s in affected if s in self._hash_failed or s in self._broken or hashes.get(s) is None]
 
     def _add(self, kind: str, message: str, key: str | None, byte_range=None, samples=()) -> None:
         self.problems.append(_problem(kind, message, samples, part=self.part, tensor=self.tensor.name,
@@ -484,8 +505,10 @@ class _StreamCheck:
             what = f"chunk {bad_chunks[0]}" if len(bad_chunks) == 1 else \
                 f"{len(bad_chunks):,} chunks ({', '.join(map(str, bad_chunks[:5]))}{', ...' if len(bad_chunks) > 5 else ''})"
             affected = {r.sample_id: r for j in bad_chunks for r in self._rows_in(base + j * ct, base + (j + 1) * ct)}
-            self._add("checksum", f"crc32c mismatch in {what}", key,
-                      (int(spans[bad_chunks[0], 0]), int(spans[bad_chunks[-1]].sum())), list(affected))
+            undecoded = sum(1 for j, _ in undecodable if j in bad_chunks)
+            self._bad_chunk_problems.append((what, key, (int(spans[bad_chunks[0], 0]), int(spans[bad_chunks[-1]].sum())),
+                                             list(affected), undecoded))
+            undecodable = [(j, why) for j, why in undecodable if j not in bad_chunks]
         if undecodable:
             (j, why), more = undecodable[0], f" (and {len(undecodable) - 1} more chunks)" if len(undecodable) > 1 else ""
             affected = {r.sample_id: r for j, _ in undecodable for r in self._rows_in(base + j * ct, base + (j + 1) * ct)}
@@ -522,28 +545,26 @@ class _StreamCheck:
             stored = int.from_bytes(view[at + encoded - CRC_NBYTES : at + encoded], "little")
             t0, t1 = base + j * ct, base + (j + 1) * ct
             intact = crc32c(data) == stored
-            if not intact:
+            if not intact:  # its samples' xxh3 tell which of them the damage hits
                 bad_chunks.append(j)
+                self._in_bad_chunks.update(r.sample_id for r in self._rows_in(t0, t1))
             if self._codec is not None:
-                data, why = self._decompressed(data, intact)
-                if why is not None:
+                data, why = self._decompressed(data)
+                if why is not None:  # its samples' bytes are lost
                     undecodable.append((j, why))
-                    intact = False
-            if not intact:
-                self._broken.update(r.sample_id for r in self._rows_in(t0, t1))
+                    self._broken.update(r.sample_id for r in self._rows_in(t0, t1))
             self._feed(data, t0, t1)
             self.bytes_checked += payload
             if self.progress is not None:
                 self.progress(payload)
 
-    def _decompressed(self, data: memoryview, intact: bool) -> tuple[memoryview, str | None]:
-        """A compressed chunk's payload (zeros if it fails its crc32c or does not decompress), and why it does
-        not decompress (None: it does, or its crc32c failed and it was not tried). The payload is this checker's
-        one chunk buffer, valid until the next call (a fresh one per chunk paid its page faults)."""
+    def _decompressed(self, data: memoryview) -> tuple[memoryview, str | None]:
+        """A compressed chunk's payload (zeros if it does not decompress), and why it does not (None: it does;
+        a chunk failing its crc32c is decoded too, bounded by the codec's checks, so that its samples' xxh3 can
+        say which are hit). The payload is this checker's one chunk buffer, valid until the next call (a fresh one
+        per chunk paid its page faults)."""
         if self._chunk is None:
             self._chunk = memoryview(bytearray(self.tensor.chunk_nbytes))
-        if not intact:
-            return self._zeros(), None
         try:
             decode_into(self._codec, data, self._chunk)
         except ValueError as e:
@@ -567,7 +588,8 @@ class _StreamCheck:
                 continue
             piece = data[(max(r.offset, t0) - t0) * row_nbytes : (min(r.end, t1) - t0) * row_nbytes]
             self._hasher.update(piece)
-            if self._limit is not None and r.hashes[self.tensor.name] is not None and r.sample_id not in self._broken:
+            hit = r.sample_id in self._broken or r.sample_id in self._in_bad_chunks  # reported as such
+            if self._limit is not None and r.hashes[self.tensor.name] is not None and not hit:
                 self._check_values(r.sample_id, piece)
             if self.tensor.quantized and r.sample_id not in self._non_finite:  # always: fp8 rows carry scales
                 problem = quantize.invalid(np.frombuffer(piece, np.uint8), self.tensor.layers, self.spec.hidden_size,
@@ -584,7 +606,9 @@ class _StreamCheck:
                 return
             computed = self._hasher.intdigest()
             expected = r.hashes[self.tensor.name]
-            if expected is not None and computed != expected and r.sample_id not in self._broken:
+            if expected is not None and computed != expected and r.sample_id in self._in_bad_chunks:
+                self._hash_failed.add(r.sample_id)  # named by its chunk's crc32c problem
+            elif expected is not None and computed != expected and r.sample_id not in self._broken:
                 ranges = token_ranges(self.spec, self.tensor, r.offset, r.length)
                 more = f" (and {len(ranges) - 1} more shard(s))" if len(ranges) > 1 else ""
                 key = shard_key(self.part, self.tensor, ranges[0].shard)
@@ -610,6 +634,20 @@ class _StreamCheck:
         rows = self._rows_in(t0, t1)
         self._broken.update(r.sample_id for r in rows)
         self._add(kind, message, key, byte_range, [r.sample_id for r in rows])
+
+
+def _bad_chunk_message(what: str, affected: list[str], damaged: list[str], undecoded: int) -> str:
+    """What a crc32c failure damages: the samples named (a few, then a count), or none."""
+    if not damaged:
+        return (f"crc32c mismatch in {what}, but no committed sample's bytes are damaged (the {len(affected):,} "
+                f"samples it holds read back intact by their xxh3: the damage lies in padding, an unused tail or a "
+                f"removed sample)")
+    named = ", ".join(repr(s) for s in damaged[:NAMED_SAMPLES])
+    more = f" and {len(damaged) - NAMED_SAMPLES:,} more" if len(damaged) > NAMED_SAMPLES else ""
+    intact = len(affected) - len(damaged)
+    lost = f"; {undecoded} of the chunks do not decompress, so all their samples are lost" if undecoded else ""
+    return (f"crc32c mismatch in {what}: damages sample{'s' if len(damaged) > 1 else ''} {named}{more}"
+            f"{f' ({intact:,} other samples in it intact)' if intact else ''}{lost}")
 
 
 def _leftovers(spec: StoreSpec, rows: _Rows, found: list[str]) -> list[str]:
