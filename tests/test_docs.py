@@ -58,3 +58,23 @@ def test_block_runs(lang, code, demo_store, tmp_path):
     # what users would see; torchdata 0.11's StatefulDataLoader warns by itself on this torch ('set_vital')
     warned = [line for line in result.stderr.splitlines() if "Warning" in line and "set_vital" not in line]
     assert not warned, f"the example warns on this machine: {warned}"
+
+
+def test_the_readmes_show_example_is_what_the_command_prints(demo_store):
+    """README's ``hsdata show demo-store 3`` against a real run: every line the same, but the part's name (a
+    timestamp) and the sparklines; numbers to 0.5% (a CPU's float sums may differ in the last digit)."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("$ hsdata show demo-store 3\n") :].split("\n", 1)[1].split("```", 1)[0]
+    run = subprocess.run([sys.executable, "-m", "hsdata", "show", str(demo_store), "3"], capture_output=True,
+                         text=True, check=True).stdout.replace(str(demo_store), "demo-store")
+    want, got = block.rstrip("\n").splitlines(), run.rstrip("\n").splitlines()
+    assert len(want) == len(got)
+    part = re.compile(r"part \S+")
+    for w, g in zip(want, got):
+        if w.startswith(("layer ", "final ")) and w.split()[1] not in ("k", "mean"):  # a row of statistics
+            w_fields, g_fields = w.split(), g.split()
+            assert w_fields[:-6] == g_fields[:-6] and len(w_fields) == len(g_fields), (w, g)
+            for a, b in zip(w_fields[-6:-1], g_fields[-6:-1]):
+                assert float(a) == pytest.approx(float(b), rel=5e-3, abs=1e-6), (w, g)
+        else:
+            assert part.sub("part P", w) == part.sub("part P", g)

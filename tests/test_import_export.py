@@ -142,6 +142,24 @@ def test_an_import_into_a_compressed_store_exports_back_bit_exact(tmp_path, caps
         assert all(same_bits(got[key], want[key]) for key in want), rel
 
 
+@pytest.mark.parametrize("fmt", ["specforge", "modelopt"])
+def test_exports_are_byte_identical_run_to_run_and_to_torch_save_of_the_final_name(tmp_path, capsys, fmt):
+    src, store = tmp_path / "sf", tmp_path / "store"
+    make_specforge(src)
+    assert run_cli(capsys, "import", "--from", "specforge", src, store, *AUX)[0] == 0
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        assert run_cli(capsys, "export", "--to", fmt, store, out)[0] == 0
+    files = sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*") if p.is_file())
+    assert files and all((outs[0] / f).read_bytes() == (outs[1] / f).read_bytes() for f in files)
+    ckpt = next(f for f in files if f.suffix in (".ckpt", ".pt"))
+    again = tmp_path / "again" / ckpt.name  # torch.save straight to a file of that name: its zip root is the name
+    again.parent.mkdir()
+    torch.save(torch.load(outs[0] / ckpt, weights_only=True), again)
+    assert again.read_bytes() == (outs[0] / ckpt).read_bytes()
+    assert not [p for p in outs[0].rglob(".*")]  # no staging left behind
+
+
 def test_specforge_gz_and_float32(tmp_path, capsys):
     src, store = tmp_path / "sf", tmp_path / "store"
     (src / "rows_0-2000").mkdir(parents=True)

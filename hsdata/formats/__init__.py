@@ -142,15 +142,21 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def save_atomic(path: str, write) -> None:
-    """``write(temporary_path)`` then rename it to ``path``: a file under its final name is always complete."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    temporary = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    """``write(temporary_path)`` then rename it to ``path``: a file under its final name is always complete. The
+    temporary file has the final file's name, in a hidden folder beside it, so a writer that records its file's
+    name (``torch.save`` names the zip's root after it) writes the same bytes as straight to ``path``, run after
+    run."""
+    folder, name = os.path.split(path)
+    staging = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    os.makedirs(staging, exist_ok=True)
+    temporary = os.path.join(staging, name)
     try:
         write(temporary)
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
+        os.rmdir(staging)
 
 
 def walk(src: str, match) -> list[str]:
