@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--sample", type=_sample_size, metavar="N|FRACTION",
                        help="check N random samples, or this fraction of them, instead of all")
     check.add_argument("--seed", type=int, default=0, help="seed of --sample (0)")
-    check.add_argument("--check-finite", action="store_true", help="also flag samples holding NaN or Inf")
+    check.add_argument("--check-finite", action=argparse.BooleanOptionalAction, default=True,
+                       help="flag samples whose hidden states hold NaN or Inf (on by default: they would poison "
+                            "training; fp8 rows are always checked)")
     check.add_argument("--verbose", action="store_true", help="list the samples each problem affects")
     _add_storage_options(check)
 

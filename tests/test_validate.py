@@ -154,11 +154,13 @@ def test_check_finite_flags_nan_samples(store_path, dtype):
     fine = make_sample(30, 0, dtype=dtype)
     fine["hidden_states"][0, :3] = torch.tensor([torch.finfo(dtype).max, -0.0, torch.finfo(dtype).tiny / 2])
     write_store(store_path, {"fine": fine, "nan": bad, "inf": inf}, dtype=dtype, shard_tokens=256, chunk_tokens=16)
-    assert validate(str(store_path)).ok
-    report = validate(str(store_path), check_finite=True)
+    assert validate(str(store_path), check_finite=False).ok
+    report = validate(str(store_path))  # checked by default: they would poison a training run
     assert sorted((p.sample_id, p.tensor) for p in report.problems) == [("inf", "aux_hidden_states"),
                                                                          ("nan", "hidden_states")]
     assert all(p.kind == "non_finite" for p in report.problems)
+    assert run_cli("validate", str(store_path)).returncode == 1
+    assert run_cli("validate", str(store_path), "--no-check-finite").returncode == 0
 
 
 def test_duplicate_ids_across_parts_are_reported(store_path):
