@@ -146,11 +146,12 @@ def _hidden(spec: StoreSpec, value: Any, name: str, fail, num_tokens: int) -> np
         if got == stored.name:
             return np.ascontiguousarray(value).view(stored.stored)
         value = _torch_of(value)
-    if tensor.quantized:
-        bad = quantize.first_non_finite(value)
+    if tensor.quantized:  # checked on the rows (half the bytes): NaN or Inf states give NaN values or scales
+        rows = _host_array(quantize.quantize(value, layers, stored.name), name, fail)
+        bad = quantize.first_invalid(rows, layers, hidden, stored.name)
         if bad is not None:
-            raise fail(f"{name} holds NaN or Inf (first at token {bad}): fp8 stores take finite states only")
-        return _host_array(quantize.quantize(value, layers, stored.name), name, fail)
+            raise fail(f"{name} holds NaN or Inf (first at token {bad[0]}): fp8 stores take finite states only")
+        return rows
     if got != stored.name:
         value = value.to(stored.torch)  # on the tensor's device, before it is copied to the host
     return _host_array(value.view(stored.stored_torch), name, fail)

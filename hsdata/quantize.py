@@ -21,15 +21,9 @@ def row_nbytes(layers: int, hidden_size: int) -> int:
     return layers * (hidden_size + SCALE_BYTES)
 
 
-def first_non_finite(states: torch.Tensor) -> int | None:
-    """The first token (row) of ``states`` holding NaN or Inf, or None."""
-    bad = ~torch.isfinite(states).reshape(states.shape[0], -1).all(dim=1)
-    found = torch.nonzero(bad)
-    return int(found[0, 0]) if len(found) else None
-
-
 def quantize(states: torch.Tensor, layers: int, dtype: str) -> torch.Tensor:
-    """Rows ``[T, layers * (H + 4)]`` (uint8, on ``states``' device) of finite states ``[T, layers * H]``.
+    """Rows ``[T, layers * (H + 4)]`` (uint8, on ``states``' device) of states ``[T, layers * H]`` (a token
+    holding NaN or Inf gets NaN values or scales: :func:`first_invalid`).
 
     Each token's layer slice is divided by ``scale = max |x| / fp8_max`` (float32; a slice whose scale is 0 gets
     scale 1 and stores zeros) and rounded to the nearest even fp8 value; the same on every device, bit for bit.
@@ -85,20 +79,28 @@ def dequantize(rows: torch.Tensor, layers: int, hidden: int, dtype: str,
 _WIDEN = {"float8_e4m3fn": (20, 2.0**120), "float8_e5m2": (21, 2.0**112)}  # mantissa shift, 2 ** (127 - bias)
 
 
-def invalid(rows: np.ndarray, layers: int, hidden: int, dtype: str) -> str | None:
-    """What is wrong with stored rows (uint8, ``[T, layers * (hidden + 4)]`` or flat), or None: an fp8 value
-    that is NaN (or Inf), or a scale that is not finite and positive."""
+def first_invalid(rows: np.ndarray, layers: int, hidden: int, dtype: str) -> tuple[int, str] | None:
+    """The first token of stored rows (uint8, ``[T, layers * (hidden + 4)]`` or flat) that is invalid, and what
+    is wrong with it, or None: an fp8 value that is NaN (or Inf), or a scale that is not finite and positive.
+    States holding NaN or Inf quantize to rows like these, so this finds them too."""
     rows = rows.reshape(-1, layers, hidden + SCALE_BYTES)
     mask = DTYPES[dtype].exponent_mask
-    bad = np.flatnonzero(((rows[:, :, :hidden] & mask) == mask).any(axis=(1, 2)))
-    if len(bad):
-        return f"an fp8 value is NaN or Inf (token {int(bad[0])} of these rows)"
+    nan_values = ((rows[:, :, :hidden] & mask) == mask).any(axis=2)
     scales = np.ascontiguousarray(rows[:, :, hidden:]).view("<f4").reshape(-1, layers)
-    bad = np.flatnonzero(~(np.isfinite(scales) & (scales > 0)).all(axis=1))
-    if len(bad):
-        return f"a scale is {float(scales[bad[0]][~(np.isfinite(scales[bad[0]]) & (scales[bad[0]] > 0))][0])!r}, " \
-               f"not finite and positive (token {int(bad[0])} of these rows)"
-    return None
+    bad_scales = ~(np.isfinite(scales) & (scales > 0))
+    tokens = np.flatnonzero((nan_values | bad_scales).any(axis=1))
+    if not len(tokens):
+        return None
+    t = int(tokens[0])
+    if nan_values[t].any():
+        return t, "an fp8 value is NaN or Inf"
+    return t, f"a scale is {float(scales[t][bad_scales[t]][0])!r}, not finite and positive"
 
 
-__all__ = ["dequantize", "first_non_finite", "invalid", "quantize", "row_nbytes", "split"]
+def invalid(rows: np.ndarray, layers: int, hidden: int, dtype: str) -> str | None:
+    """:func:`first_invalid` in words, or None."""
+    found = first_invalid(rows, layers, hidden, dtype)
+    return None if found is None else f"{found[1]} (token {found[0]} of these rows)"
+
+
+__all__ = ["dequantize", "first_invalid", "invalid", "quantize", "row_nbytes", "split"]

@@ -446,20 +446,15 @@ class _StreamCheck:
         if self._bad_values:
             self._add("values", f"{self.tensor.name} holds {self._bad_value}, outside [0, {self._limit})",
                       None, samples=self._bad_values)
+        unhashed = {r.sample_id for r in self.rows if r.hashes[self.tensor.name] is None}
         for what, key, byte_range, affected, undecoded in self._bad_chunk_problems:
-            damaged = self._damaged(affected)
+            damaged = [s for s in affected if s in self._hash_failed or s in self._broken or s in unhashed]
             message = _bad_chunk_message(what, affected, damaged, undecoded)
-            if damaged:
+            if damaged:  # its xxh3 differs, or cannot say (the chunk does not decode, the tensor has no hash)
                 self._add("checksum", message, key, byte_range, damaged)
             else:  # every sample reads back intact: nothing to repair, nothing training would see
                 self.notes.append(f"part {self.part}, tensor {self.tensor.name}, {self.storage.describe(key)} "
                                   f"bytes [{byte_range[0]}, {byte_range[1]}): {message}")
-
-    def _damaged(self, affected: list[str]) -> list[str]:
-        """Of the samples in chunks failing their crc32c, those whose bytes are hit: their xxh3 differs, or it
-        could not be computed (a chunk that does not decompress, a sample stored without that tensor's hash)."""
-        hashes = {r.sample_id: r.hashes[self.tensor.name] for r in self.rows}
-        return [s for s in affected if s in self._hash_failed or s in self._broken or hashes.get(s) is None]
 
     def _add(self, kind: str, message: str, key: str | None, byte_range=None, samples=()) -> None:
         self.problems.append(_problem(kind, message, samples, part=self.part, tensor=self.tensor.name,
