@@ -14,7 +14,6 @@ from torch.utils.data import Dataset
 from .. import sampling
 from ..errors import CorruptDataError
 from ..reader import Store, open as open_store
-from .batches import Hidden
 from .readahead import BatchReads
 
 ON_ERROR = ("raise", "skip")
@@ -87,10 +86,6 @@ class Eagle3Dataset(BatchReads, Dataset):
     @property
     def spec(self):
         return self.store.spec
-
-    @property
-    def hidden(self) -> Hidden:
-        return Hidden.of_spec(self.store.spec)
 
     def __getstate__(self) -> dict:  # the thread pool pickles without its threads
         return {**self.__dict__, "_store": None, "_ahead": None, "_announced": None, "_buffers": None}

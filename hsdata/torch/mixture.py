@@ -9,7 +9,6 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .. import sampling
-from .batches import Hidden
 from .dataset import Eagle3Dataset
 from .readahead import BatchReads
 
@@ -70,10 +69,6 @@ class Mixture(BatchReads, Dataset):
         return order
 
     # reading (the rest: readahead.BatchReads)
-
-    @property
-    def hidden(self) -> Hidden:
-        return self.datasets[0].hidden
 
     @property
     def spec(self):

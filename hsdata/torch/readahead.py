@@ -33,8 +33,7 @@ class Pending:
                  spread: bool = False, stored: bool = False):
         self._source, self._positions, self._layout, self._take = source, positions, layout, take
         located = source._locate(positions)
-        hidden = Hidden.of_spec(source.spec, stored=True) if stored else source.hidden
-        self._plan = plan(layout, hidden, source.lengths[positions])
+        self._plan = plan(layout, Hidden.of_spec(source.spec, stored=stored), source.lengths[positions])
         self.nbytes = self._plan.nbytes
         self._tensors = views(self._plan, take(self._plan.nbytes))
         if layout.pack:
@@ -144,7 +143,7 @@ class ReadAhead:
 class BatchReads:
     """Reading for ``Eagle3Dataset`` and ``Mixture``: items and batches read into place, ahead once the order is
     announced. A subclass gives ``_locate(positions)`` (each position's dataset and store index), ``lengths`` (after
-    truncation), ``_sample_nbytes`` (stored), ``hidden`` (a :class:`~hsdata.torch.batches.Hidden`), ``spec``, ``_items``
+    truncation), ``_sample_nbytes`` (stored), ``spec`` (the stores' one :class:`~hsdata.spec.StoreSpec`), ``_items``
     (items read one by one, the path that replaces corrupt samples) and ``_skips_corrupt(positions)``."""
 
     def _init_reads(self, read_ahead_bytes: int, threads: int | None, pin_memory: bool | None) -> None:
