@@ -33,6 +33,7 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import shutil
 import sys
 import threading
@@ -224,15 +225,17 @@ def litdata_loader(root: str, workers: int):
 
 # ---- running methods ----
 
-def measure(methods: dict, *, mode: str, repeat: int) -> dict[str, list[float]]:
+def measure(methods: dict, *, mode: str, repeat: int, only: str = "") -> dict[str, list[float]]:
     """Seconds per pass of each method, interleaved (``read_bench.interleaved_times``: cold, the page cache dropped
     before each pass; warm, each pass right after an untimed one, as a VM's memory manager may drop pages left
     idle for seconds). Each method first runs one untimed pass: it sizes its reader's memory and starts its
-    workers, which a training job does once, not each epoch."""
+    workers, which a training job does once, not each epoch. ``only``: a regular expression of the names to run."""
+    methods = {name: run for name, run in methods.items() if re.search(only, name)}
     for name, run in methods.items():
         log(f"first pass: {name}")
         run()
-    return interleaved_times(methods, mode=mode, repeat=repeat)
+    return interleaved_times(methods, mode=mode, repeat=repeat,
+                             check=lambda name, _: log(f"{mode} pass done: {name}"))
 
 
 def rows(times: dict[str, list[float]], gb: float, baselines: dict[str, str]) -> list[dict]:
@@ -329,6 +332,8 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true",
                         help="also read the same samples stored as float8_e4m3fn, warm and cold (GB/s: of the "
                              "bfloat16 states delivered)")
+    parser.add_argument("--methods", default="", help="a regular expression: run only the methods whose names "
+                                                            "it finds (default: all)")
     parser.add_argument("--json")
     args = parser.parse_args()
     cold_parts = {"cold"} & set(args.parts) or ({"ranks"} & set(args.parts))
@@ -364,6 +369,11 @@ def main() -> None:
     result = {"args": vars(args), "samples": count, "tokens": store.num_tokens, "state_gb": gb,
               "machine": f"{platform.node()}: {os.cpu_count()} cores, {torch.cuda.get_device_name() if GPU else 'no GPU'}",
               "versions": {"torch": torch.__version__, "hsdata": hsdata.__version__}, "delivery": "GPU" if GPU else "host"}
+
+    def save(result: dict) -> None:  # after each part, so a run cut short keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
 
     def hs(workers, batch, verify=True, root=roots["hsdata"]):
         loader = hsdata_loader(root, args.threads, workers, batch, verify, device)
@@ -410,7 +420,8 @@ def main() -> None:
                 epoch, hsdata_dataloader(roots["hsdata"], W, 4)),
             **fp8_methods(), **formats(0), **formats(W),
         }
-        result["warm"] = rows(measure(methods, mode="warm", repeat=args.repeat), gb, baselines)
+        result["warm"] = rows(measure(methods, mode="warm", repeat=args.repeat, only=args.methods), gb, baselines)
+        save(result)
         del methods
     if "cold" in args.parts:
         methods = {
@@ -420,8 +431,9 @@ def main() -> None:
             f"Loader, {W} workers": hs(W, 1), f"Loader, {W} workers, batch 4": hs(W, 4),
             **fp8_methods(), **formats(W),
         }
-        result["cold"] = rows(measure(methods, mode="cold", repeat=args.repeat), gb,
+        result["cold"] = rows(measure(methods, mode="cold", repeat=args.repeat, only=args.methods), gb,
                               {"x_raw": "raw ranges", "x_raw_files": "raw files"})
+        save(result)
         del methods
     if "ranks" in args.parts:
         result["ranks"] = [ranks(roots["hsdata"], args.ranks, max(1, args.threads // args.ranks), cold)
@@ -438,10 +450,9 @@ def main() -> None:
                     epoch(loader)
                 row = consumer(loader, store.spec.token_nbytes, args.tokens_per_s)
                 result["consumer"].append({"workers": workers, "batch": batch, **row})
+                save(result)
                 log(f"consumer: {result['consumer'][-1]}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result)
     print(markdown(result))
 
 

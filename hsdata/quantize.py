@@ -36,7 +36,10 @@ def quantize(states: torch.Tensor, layers: int, dtype: str) -> torch.Tensor:
     step = DEQUANTIZE_TOKENS if states.device.type == "cpu" else max(1, tokens)  # CPU: temporaries in cache
     for start in range(0, tokens, step):
         wide = x[start : start + step].to(torch.float32, copy=True)  # divided in place below
-        scale = wide.abs().amax(dim=2, keepdim=True).div_(fp8.fp8_max)
+        amax = wide.abs().amax(dim=2, keepdim=True)
+        # divided by a tensor: CUDA turns division by a Python number into a product with its reciprocal, which
+        # rounds differently from the CPU's division
+        scale = amax.div_(torch.full_like(amax, fp8.fp8_max))
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         values = wide.div_(scale).clamp_(-fp8.fp8_max, fp8.fp8_max)  # x / scale may round just past fp8_max
         rows[start : start + step, :, :hidden] = values.to(fp8.torch).view(torch.uint8)
