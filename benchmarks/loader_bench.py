@@ -289,7 +289,8 @@ def ranks(path: str, world: int, threads: int, cold: bool) -> dict:
 def consumer(loader, token_nbytes: int, tokens_per_s: float) -> dict:
     """A GPU step of fixed cost per token (torch.cuda._sleep, calibrated), synchronized at its end as a step that
     logs its loss is: the share of the epoch's wall time the GPU was not running a step (each step timed on the
-    GPU by a pair of events: the calibration drifts with the clocks)."""
+    GPU by a pair of events: the calibration drifts with the clocks), and the loop's time waiting for batches
+    (the first, all, the longest)."""
     probe = 50_000_000
     torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
@@ -299,10 +300,16 @@ def consumer(loader, token_nbytes: int, tokens_per_s: float) -> dict:
     end.record()
     torch.cuda.synchronize()
     cycles_per_s = probe / (start.elapsed_time(end) / 1e3)
-    busy_s, tokens = 0.0, 0
+    busy_s, tokens, waits = 0.0, 0, []
     torch.cuda.synchronize()
     started = time.perf_counter()
-    for batch in loader:
+    batches = iter(loader)
+    while True:
+        asked = time.perf_counter()
+        batch = next(batches, None)
+        waits.append(time.perf_counter() - asked)
+        if batch is None:
+            break
         n = int(batch["attention_mask"].sum())  # tokens of the batch (on the GPU already)
         tokens += n
         start.record()
@@ -312,6 +319,7 @@ def consumer(loader, token_nbytes: int, tokens_per_s: float) -> dict:
         busy_s += start.elapsed_time(end) / 1e3
     wall = time.perf_counter() - started
     return {"seconds": wall, "step_seconds": busy_s, "waiting": max(0.0, 1 - busy_s / wall),
+            "first_batch_s": waits[0], "next_s": sum(waits), "longest_next_s": max(waits),
             "tokens_per_s": tokens / wall, "gb_per_s": tokens * token_nbytes / wall / 1e9}
 
 
@@ -385,7 +393,8 @@ def main() -> None:
         if not args.fp8:
             return {}
         return {"Loader fp8, 0 workers": hs(0, 1, root=fp8_root), f"Loader fp8, {W} workers": hs(W, 1, root=fp8_root),
-                "Loader fp8, 0 workers, batch 4": hs(0, 4, root=fp8_root)}
+                "Loader fp8, 0 workers, batch 4": hs(0, 4, root=fp8_root),
+                f"Loader fp8, {W} workers, batch 4": hs(W, 4, root=fp8_root)}
 
     def formats(workers):
         methods = {}
@@ -448,8 +457,10 @@ def main() -> None:
                 loader = hsdata_loader(roots["hsdata"], args.threads, workers, batch, True, device)
                 for _ in range(3):  # warm: the page cache, and the loader's memory sized to what is in flight
                     epoch(loader)
-                row = consumer(loader, store.spec.token_nbytes, args.tokens_per_s)
-                result["consumer"].append({"workers": workers, "batch": batch, **row})
+                passes = [consumer(loader, store.spec.token_nbytes, args.tokens_per_s) for _ in range(args.repeat)]
+                row = sorted(passes, key=lambda p: p["waiting"])[len(passes) // 2]  # the median pass
+                result["consumer"].append({"workers": workers, "batch": batch, **row,
+                                           "waiting_all": [p["waiting"] for p in passes]})
                 save(result)
                 log(f"consumer: {result['consumer'][-1]}")
     save(result)
@@ -479,8 +490,11 @@ def markdown(result: dict) -> str:
               [[r["mode"], r["ranks"], r["threads_each"], r["seconds"], r["gb_per_s"]] for r in result["ranks"]])
     if isinstance(result.get("consumer"), list):
         table(f"**a training step of {a['tokens_per_s']:,.0f} tokens/s on the GPU, warm**",
-              ["workers", "batch", "GPU waiting", "tokens/s", "GB/s"],
-              [[r["workers"], r["batch"], f"{100 * r['waiting']:.1f}%", f"{r['tokens_per_s']:,.0f}", r["gb_per_s"]]
+              ["workers", "batch", "GPU waiting (median)", "all passes", "first batch s", "longest wait s",
+               "tokens/s", "GB/s"],
+              [[r["workers"], r["batch"], f"{100 * r['waiting']:.1f}%",
+                " ".join(f"{100 * w:.1f}%" for w in r["waiting_all"]), f"{r['first_batch_s']:.3f}",
+                f"{r['longest_next_s']:.3f}", f"{r['tokens_per_s']:,.0f}", r["gb_per_s"]]
                for r in result["consumer"]])
     elif "consumer" in result:
         lines += ["", f"consumer: {result['consumer']}"]

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from . import quantize
 from .dtypes import DTYPES
 from .errors import InvalidSampleError
 from .spec import MAX_INPUT_ID, StoreSpec
+
+if TYPE_CHECKING:
+    import torch
 
 # Every manifest holds at most shard_tokens (<= 2**20) rows, so these keep its sample_id column under 1 GiB
 # (one Arrow string array) and a sample's meta far below Arrow's 2 GiB per value.
@@ -105,7 +108,7 @@ def check_sample_id(sample_id: Any) -> None:
 def integers(value: Any, name: str, fail) -> np.ndarray:
     """An integer (or bool) torch tensor, numpy array or sequence as a host numpy array; ``fail(message)`` makes
     the error to raise."""
-    if isinstance(value, torch.Tensor):
+    if _is_tensor(value):
         array = _host_array(value, name, fail)
     else:
         array = _numpy(value, name, fail)
@@ -123,7 +126,7 @@ def _hidden(spec: StoreSpec, value: Any, name: str, fail, num_tokens: int) -> np
     tensor = spec.tensor(name)
     stored, compute = tensor.dtype, DTYPES[spec.compute_dtype or spec.dtype]
     layers, hidden = tensor.layers, spec.hidden_size
-    if isinstance(value, torch.Tensor):
+    if _is_tensor(value):
         value = _dense(value, name, fail)
     else:
         value = _numpy(value, name, fail)
@@ -159,7 +162,7 @@ def _hidden(spec: StoreSpec, value: Any, name: str, fail, num_tokens: int) -> np
 
 def _fp8_rows(value: Any, tensor, hidden: int, name: str, fail) -> np.ndarray:
     """Rows already quantized (``hsdata.quantize.quantize``, e.g. on the GPU by the capture path), checked."""
-    rows = _host_array(value, name, fail) if isinstance(value, torch.Tensor) else np.ascontiguousarray(value)
+    rows = _host_array(value, name, fail) if _is_tensor(value) else np.ascontiguousarray(value)
     problem = quantize.invalid(rows, tensor.layers, hidden, tensor.logical_dtype)
     if problem is not None:  # NaN or Inf states quantize to a NaN or infinite scale
         raise fail(f"{name} holds NaN or Inf, or is not fp8 rows: {problem}")
@@ -168,6 +171,8 @@ def _fp8_rows(value: Any, tensor, hidden: int, name: str, fail) -> np.ndarray:
 
 def _torch_of(array: np.ndarray) -> torch.Tensor:
     """A numpy array (ml_dtypes' bfloat16 included) as a torch tensor of the same values."""
+    import torch
+
     array = np.require(array, requirements="CW")  # W: torch wants a writable array
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
@@ -176,6 +181,8 @@ def _torch_of(array: np.ndarray) -> torch.Tensor:
 
 def _dense(tensor: torch.Tensor, name: str, fail) -> torch.Tensor:
     """``tensor`` with its data resolved (a negated view), or ``fail`` if it has no dense data to read."""
+    import torch
+
     if tensor.layout != torch.strided or tensor.is_nested:
         layout = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
         raise fail(f"{name} is a {layout} tensor: hsdata takes dense (strided) tensors (use .to_dense())")
@@ -194,6 +201,12 @@ def _host_array(tensor: torch.Tensor, name: str, fail) -> np.ndarray:
         raise fail(f"{name} ({tensor.dtype}) cannot be read as a host array: {e}") from None
 
 
+def _is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor (without loading torch: a tensor means it is loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def _numpy(value: Any, name: str, fail) -> np.ndarray:
     try:
         return np.asarray(value)
@@ -202,4 +215,4 @@ def _numpy(value: Any, name: str, fail) -> np.ndarray:
 
 
 def _dtype_name(value: Any, array: np.ndarray) -> str:
-    return str(value.dtype) if isinstance(value, torch.Tensor) else str(array.dtype)
+    return str(value.dtype) if _is_tensor(value) else str(array.dtype)

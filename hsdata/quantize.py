@@ -6,13 +6,17 @@ turns them back, validate checks them: all through this module."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from .dtypes import DTYPES
 
+if TYPE_CHECKING:
+    import torch
+
 SCALE_BYTES = 4  # one float32 per token and layer
-DEQUANTIZED = torch.bfloat16  # what readers return
+DEQUANTIZED = DTYPES["bfloat16"]  # what readers return
 DEQUANTIZE_TOKENS = 32  # tokens (de)quantized at once on a CPU: the 32-bit temporaries stay in cache
 
 
@@ -28,6 +32,8 @@ def quantize(states: torch.Tensor, layers: int, dtype: str) -> torch.Tensor:
     Each token's layer slice is divided by ``scale = max |x| / fp8_max`` (float32; a slice whose scale is 0 gets
     scale 1 and stores zeros) and rounded to the nearest even fp8 value; the same on every device, bit for bit.
     """
+    import torch
+
     fp8 = DTYPES[dtype]
     tokens = states.shape[0]
     x = states.reshape(tokens, layers, -1)
@@ -50,6 +56,8 @@ def quantize(states: torch.Tensor, layers: int, dtype: str) -> torch.Tensor:
 def split(rows: torch.Tensor, layers: int, hidden: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp8 values ``[T, layers, hidden]`` (a view of ``rows``) and float32 scales ``[T, layers]`` (a copy) of
     stored rows (``[T, layers * (hidden + 4)]`` uint8, or their flat bytes)."""
+    import torch
+
     rows = rows.reshape(-1, layers, hidden + SCALE_BYTES)
     scales = rows[:, :, hidden:].contiguous().view(torch.float32).reshape(-1, layers)
     return rows[:, :, :hidden].view(DTYPES[dtype].torch), scales
@@ -60,10 +68,12 @@ def dequantize(rows: torch.Tensor, layers: int, hidden: int, dtype: str,
     """bfloat16 states ``[T, layers * hidden]`` of stored rows, into ``out`` if given (its first ``len(out)``
     tokens, when it holds fewer than the rows). Each fp8 value is widened to float32 by moving its bits (exact,
     subnormals included, and several times faster on a CPU than torch's conversion), times its scale, rounded."""
+    import torch
+
     values, scales = split(rows, layers, hidden, dtype)
     values = values.view(torch.uint8)
     if out is None:
-        out = torch.empty(len(values), layers * hidden, dtype=DEQUANTIZED, device=rows.device)
+        out = torch.empty(len(values), layers * hidden, dtype=DEQUANTIZED.torch, device=rows.device)
     target = out.view(-1, layers, hidden)
     shift, rebias = _WIDEN[dtype]
     step = DEQUANTIZE_TOKENS if rows.device.type == "cpu" else max(1, len(target))
@@ -80,6 +90,23 @@ def dequantize(rows: torch.Tensor, layers: int, hidden: int, dtype: str,
 
 
 _WIDEN = {"float8_e4m3fn": (20, 2.0**120), "float8_e5m2": (21, 2.0**112)}  # mantissa shift, 2 ** (127 - bias)
+
+
+def dequantize_bits(rows: np.ndarray, layers: int, hidden: int, dtype: str) -> np.ndarray:
+    """:func:`dequantize` in numpy, bit for bit, for tools that do not load torch: the bfloat16 states' bit
+    patterns (``uint16``, ``[T, layers * hidden]``) of stored rows."""
+    rows = rows.reshape(-1, layers, hidden + SCALE_BYTES)
+    scales = np.ascontiguousarray(rows[:, :, hidden:]).view("<f4")  # [T, layers, 1]
+    bits = (_fp8_values(dtype)[rows[:, :, :hidden]] * scales).view(np.uint32)  # float32(v) * s, to nearest even
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to bfloat16, to nearest even
+    return rounded.astype(np.uint16).reshape(len(rows), layers * hidden)
+
+
+def _fp8_values(dtype: str) -> np.ndarray:
+    """The float32 value of each of the 256 fp8 bit patterns, widened as :func:`dequantize` widens them."""
+    bits = np.arange(256, dtype=np.uint32)
+    shift, rebias = _WIDEN[dtype]
+    return (((bits & 0x80) << 24) | ((bits & 0x7F) << shift)).view(np.float32) * np.float32(rebias)
 
 
 def first_invalid(rows: np.ndarray, layers: int, hidden: int, dtype: str) -> tuple[int, str] | None:
@@ -106,4 +133,4 @@ def invalid(rows: np.ndarray, layers: int, hidden: int, dtype: str) -> str | Non
     return None if found is None else f"{found[1]} (token {found[0]} of these rows)"
 
 
-__all__ = ["dequantize", "first_invalid", "invalid", "quantize", "row_nbytes", "split"]
+__all__ = ["dequantize", "dequantize_bits", "first_invalid", "invalid", "quantize", "row_nbytes", "split"]

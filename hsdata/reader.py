@@ -8,12 +8,11 @@ import os
 import warnings
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from . import manifest, masks, quantize, removals, sampling
 from .io.buffers import BufferPool, shared_bytes
@@ -28,6 +27,9 @@ from .shard import (CRC_NBYTES, ChunkRun, ShardRange, chunk_runs, chunks_per_sha
                     encoded_chunk_nbytes, index_nbytes, index_spans, token_ranges)
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
 from .io.storage import MAX_REQUESTS, Storage
+
+if TYPE_CHECKING:
+    import torch
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 LOCAL_CONCURRENCY = 4  # I/O threads reading a local store
@@ -187,6 +189,15 @@ class Store:
         main process without copying."""
         return self.read_many([i], fields, shared=shared)[0]
 
+    def read_arrays(self, i: int, fields: Iterable[str] | None = None) -> dict[str, Any]:
+        """Sample ``i`` as numpy arrays exactly as stored, checked as :meth:`read` checks it, without loading
+        torch (the command line's ``show``): ``input_ids`` int32, ``loss_mask`` uint8, the hidden states as the
+        stored dtype's bit patterns (``uint16`` for bfloat16) or, for fp8, the stored rows of values and scales
+        (``[T, layers * (H + 4)]`` uint8: :mod:`hsdata.quantize`)."""
+        plan = self._plan(self._position(i), _check_fields(fields), False, None, arrays=True)
+        self._fill([plan], inline=True)
+        return self._finish(plan)
+
     def read_many(self, indices: Sequence[int], fields: Iterable[str] | None = None, *, shared: bool = False,
                   out: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
                   inline: bool = False) -> list[dict[str, Any]]:
@@ -205,6 +216,11 @@ class Store:
             raise ValueError(f"out has {len(out)} entries for {len(indices)} samples")
         plans = [self._plan(self._position(i), names, shared, out[k] if out is not None else None)
                  for k, i in enumerate(indices)]
+        self._fill(plans, inline)
+        return [self._finish(plan) for plan in plans]
+
+    def _fill(self, plans: list[_Plan], inline: bool) -> None:
+        """Run the reads of ``plans``, hashing each range as it arrives."""
         reads = [read for plan in plans for read in plan.reads]
         done = 0
         try:
@@ -217,7 +233,6 @@ class Store:
                                    f"{e.filename or e}") from None
         except CorruptDataError as e:
             raise CorruptDataError(f"sample {reads[done].sample_id!r}: {e}") from None
-        return [self._finish(plan) for plan in plans]
 
     def storage_order(self) -> np.ndarray:
         """Sample positions in the order their bytes lie on disk (part, then token offset)."""
@@ -247,8 +262,11 @@ class Store:
         return int(i) % n
 
     def _plan(self, i: int, names: tuple[str, ...], shared: bool,
-              destinations: Mapping[str, torch.Tensor] | None) -> _Plan:
-        """The output buffers of sample ``i`` and the ranges to read into them, in byte order of each tensor."""
+              destinations: Mapping[str, torch.Tensor] | None, arrays: bool = False) -> _Plan:
+        """The output buffers of sample ``i`` and the ranges to read into them, in byte order of each tensor;
+        ``arrays``: numpy buffers (:meth:`read_arrays`), else torch tensors."""
+        take = _new_bytes if arrays else self._buffers.take
+
         part, offset, length = self.location(i)
         with_mask = self._has_loss_mask[i]
         tensors = [self.spec.tensor(n) for n in names if n in TENSOR_NAMES and (n != "loss_mask" or with_mask)]
@@ -259,31 +277,29 @@ class Store:
                  for t in tensors]
         outputs = []
         for tensor, destination in zip(tensors, given):
-            if tensor.quantized and not _is_rows(destination):  # read into a buffer, dequantized from it
-                outputs.append(self._buffers.take(length * tensor.row_nbytes))
-            elif destination is not None:
-                outputs.append(destination.view(torch.uint8).reshape(-1))
-            elif shared:
+            if destination is not None and not (tensor.quantized and not _is_rows(destination)):
+                outputs.append(_flat_bytes(destination))
+            elif shared and not tensor.quantized:  # (dequantized from a buffer, into shared memory)
                 outputs.append(shared_bytes(length * tensor.row_nbytes))
             else:
-                outputs.append(self._buffers.take(length * tensor.row_nbytes))
+                outputs.append(take(length * tensor.row_nbytes))
         plan = _Plan(i, sample_id, tensors, outputs, given, [manifest.content_hasher() for _ in tensors],
-                     with_meta="meta" in names, shared=shared)
+                     with_meta="meta" in names, shared=shared, arrays=arrays)
         if "loss_mask" in names and not with_mask:
             plan.mask_added_later, plan.added_mask = True, self._added_masks.get(sample_id)
         for k, (tensor, output) in enumerate(zip(tensors, outputs)):
             rows = len(output) // tensor.row_nbytes
-            spans = [(offset, rows, memoryview(output.numpy()))]
+            spans = [(offset, rows, _bytes_view(output))]
             if rows < length and self.verify:  # the rest only feeds the checksum
-                tail = self._buffers.take((length - rows) * tensor.row_nbytes)
-                spans.append((offset + rows, length - rows, memoryview(tail.numpy())))
+                tail = take((length - rows) * tensor.row_nbytes)
+                spans.append((offset + rows, length - rows, _bytes_view(tail)))
             for first, count, buffer in spans:
                 if count:
-                    self._plan_reads(plan, k, part, tensor, first, count, buffer)
+                    self._plan_reads(plan, k, part, tensor, first, count, buffer, take)
         return plan
 
     def _plan_reads(self, plan: _Plan, k: int, part: str, tensor: TensorSpec, offset: int, count: int,
-                    buffer: memoryview) -> None:
+                    buffer: memoryview, take) -> None:
         """The reads that fill ``buffer`` with rows ``[offset, offset + count)`` of ``tensor`` in ``part``."""
         codec, start = self._codecs.get(tensor.name), 0
         if codec is None:
@@ -297,7 +313,7 @@ class Store:
                          buffer[start : start + r.nbytes])
             if codec is not None:
                 read.tensor, read.codec = tensor, codec
-                read.encoded = memoryview(self._buffers.take(r.file_end - r.file_start).numpy())
+                read.encoded = _bytes_view(take(r.file_end - r.file_start))
             plan.reads.append(read)
             start += r.nbytes
 
@@ -336,7 +352,9 @@ class Store:
         return size
 
     def _finish(self, plan: _Plan) -> dict[str, Any]:
-        """Check the read sample's hashes and shape its tensors."""
+        """Check the read sample's hashes and shape its tensors (or arrays)."""
+        if not plan.arrays:
+            import torch
         i, sample_id = plan.position, plan.sample_id
         out: dict[str, Any] = {"sample_id": sample_id}
         if plan.with_meta:
@@ -348,10 +366,15 @@ class Store:
                                        f"the sample {self.lengths[i]}")
             if added is not None and np.frombuffer(added, np.uint8).max() > 1:
                 raise CorruptDataError(f"sample {sample_id!r}: its added loss mask holds values other than 0 and 1")
-            out["loss_mask"] = None if added is None else torch.frombuffer(bytearray(added), dtype=torch.uint8)
+            mask = None if added is None else np.frombuffer(bytearray(added), np.uint8)
+            out["loss_mask"] = mask if mask is None or plan.arrays else torch.from_numpy(mask)
         for tensor, output, given, hasher in zip(plan.tensors, plan.outputs, plan.given, plan.hashers):
             if self.verify:
                 self._check_hash(i, tensor, hasher.intdigest())
+            if plan.arrays:
+                out[tensor.name] = output.view(tensor.dtype.stored).reshape(-1, *(() if tensor.width is None else
+                                                                                   (tensor.width,)))
+                continue
             if tensor.quantized and not _is_rows(given):
                 out.update(self._dequantized(tensor, output, given, plan.shared))
                 continue
@@ -396,10 +419,12 @@ class Store:
         """``given`` checked as a place for the first rows of ``tensor`` of a sample of ``length`` tokens."""
         if given is None:
             return None
+        import torch  # a given tensor: torch is loaded
+
         if tensor.quantized and not self.dequantize and not _is_rows(given):
             raise ValueError(f"sample {sample_id!r}: out[{tensor.name!r}] must be uint8 rows as stored: the store "
                              "was opened with dequantize off")
-        dtype, width = tensor.read_dtype, tensor.values_width
+        dtype, width = tensor.read_dtype.torch, tensor.values_width
         if tensor.quantized and _is_rows(given):  # the stored rows, as they are
             dtype, width = torch.uint8, tensor.width
         if given.dtype != dtype or not given.is_contiguous() or given.device.type != "cpu":
@@ -416,6 +441,8 @@ class Store:
                      shared: bool) -> dict[str, torch.Tensor]:
         """An fp8 tensor's entries of a sample's dict, from its stored rows ``output``: bfloat16 states (into
         ``given`` when there is one), or with ``dequantize`` off the fp8 values and their scales."""
+        import torch
+
         layers, hidden = tensor.layers, self.spec.hidden_size
         tokens = len(output) // tensor.row_nbytes
         if not self.dequantize:
@@ -424,7 +451,7 @@ class Store:
         if given is None:
             nbytes = tokens * tensor.values_width * quantize.DEQUANTIZED.itemsize
             given = (shared_bytes(nbytes) if shared else torch.empty(nbytes, dtype=torch.uint8)).view(
-                quantize.DEQUANTIZED).view(tokens, tensor.values_width)
+                quantize.DEQUANTIZED.torch).view(tokens, tensor.values_width)
         rows = output[: len(given.view(-1)) // tensor.values_width * tensor.row_nbytes]
         return {tensor.name: quantize.dequantize(rows, layers, hidden, tensor.logical_dtype, out=given)}
 
@@ -490,11 +517,13 @@ class _Plan:
     position: int
     sample_id: str
     tensors: list[TensorSpec]
-    outputs: list[torch.Tensor]  # uint8, flat: what the reads fill (the first rows, where a tensor was given)
+    outputs: list[Any]  # uint8 tensors (numpy arrays with ``arrays``), flat: what the reads fill (the first rows,
+    # where a tensor was given)
     given: list[torch.Tensor | None]  # the caller's tensor to return, or None
     hashers: list
     with_meta: bool = False
     shared: bool = False  # tensors made after the read (dequantized) go in shared memory
+    arrays: bool = False  # numpy arrays as stored, not tensors (Store.read_arrays)
     reads: list[_Read] = field(default_factory=list)
     mask_added_later: bool = False  # loss_mask wanted, from hsdata.add_loss_masks (added_mask; None: none added)
     added_mask: bytes | None = None
@@ -528,9 +557,28 @@ def _iov(read: _Read) -> list:
     return iov
 
 
+def _new_bytes(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, np.uint8)
+
+
+def _bytes_view(buffer: Any) -> memoryview:
+    """The bytes of a uint8 numpy array or CPU tensor."""
+    return memoryview(buffer if isinstance(buffer, np.ndarray) else buffer.numpy())
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    import torch  # a given tensor: torch is loaded
+
+    return tensor.view(torch.uint8).reshape(-1)
+
+
 def _is_rows(given: torch.Tensor | None) -> bool:
     """Whether a destination of an fp8 tensor takes its stored rows (uint8) rather than dequantized states."""
-    return given is not None and given.dtype == torch.uint8
+    if given is None:
+        return False
+    import torch  # a given tensor: torch is loaded
+
+    return given.dtype == torch.uint8
 
 
 def _check_fields(fields: Iterable[str] | None) -> tuple[str, ...]:

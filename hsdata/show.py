@@ -1,5 +1,7 @@
 """``hsdata show``: one sample's location, tensors, per-layer statistics of its hidden states and its text (or
-token ids) with the loss-masked spans marked; as text, as JSON, or as a plot of the norm per position."""
+token ids) with the loss-masked spans marked; as text, as JSON, or as a plot of the norm per position. The sample
+is read as numpy arrays (``Store.read_arrays``) and a tokenizer with a ``tokenizer.json`` is loaded through the
+``tokenizers`` library, so ``show`` loads neither torch nor transformers for them."""
 
 from __future__ import annotations
 
@@ -9,15 +11,15 @@ import math
 import os
 import sys
 import textwrap
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
-import torch
 
+from . import quantize
 from .extract import demo
 from .errors import MissingExtraError
 from .reader import Store, open as open_store
-from .spec import TENSOR_NAMES
+from .spec import TENSOR_NAMES, TensorSpec
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 NOT_FINITE = "!"  # a sparkline position whose tokens hold NaN or Inf
@@ -64,7 +66,7 @@ def load_tokenizer(path: str | None, model: str | None) -> tuple[Any, str | None
     if path is not None:
         return _from_pretrained(path), path
     if model == demo.MODEL_NAME:
-        return demo.tokenizer(), model
+        return demo.bpe(), model
     if model is not None and os.path.isdir(model):
         try:
             return _from_pretrained(model), model
@@ -75,15 +77,17 @@ def load_tokenizer(path: str | None, model: str | None) -> tuple[Any, str | None
 
 def describe(store: Store, i: int, tokenizer: Any = None, tokenizer_name: str | None = None) -> dict:
     """Everything ``hsdata show`` reports about sample ``i``, as JSON-ready data (no NaN: null instead)."""
-    spec, sample = store.spec, store.read(i)
+    spec, sample = store.spec, store.read_arrays(i)
     part, offset, length = store.location(i)
-    aux, hidden = sample["aux_hidden_states"], sample["hidden_states"]
+    aux = _values(sample["aux_hidden_states"], spec.tensor("aux_hidden_states"), spec.hidden_size)
+    hidden = _values(sample["hidden_states"], spec.tensor("hidden_states"), spec.hidden_size)
     h = spec.hidden_size
     layers = [{"label": f"layer {k}", "tensor": "aux_hidden_states", "layer": k,
-               **layer_stats(aux[:, j * h:(j + 1) * h])} for j, k in enumerate(spec.aux_layers)]
-    layers.append({"label": "final", "tensor": "hidden_states", "layer": None, **layer_stats(hidden)})
+               **layer_stats(lambda a, b, j=j: aux(a, b)[:, j * h:(j + 1) * h], length)}
+              for j, k in enumerate(spec.aux_layers)]
+    layers.append({"label": "final", "tensor": "hidden_states", "layer": None, **layer_stats(hidden, length)})
     ids, mask = sample["input_ids"].tolist(), sample["loss_mask"]
-    spans = [] if mask is None else loss_spans(mask.numpy())
+    spans = [] if mask is None else loss_spans(mask)
     return {
         "store": store.url,
         "sample_id": sample["sample_id"],
@@ -93,7 +97,7 @@ def describe(store: Store, i: int, tokenizer: Any = None, tokenizer_name: str | 
         "token_offset": offset,
         "num_tokens": length,
         "dtype": spec.dtype,
-        "tensors": {name: _tensor_info(sample[name]) for name in TENSOR_NAMES},
+        "tensors": {name: _tensor_info(spec.tensor(name), length, sample[name] is not None) for name in TENSOR_NAMES},
         "layers": layers,
         "loss_mask": None if mask is None else {"in_loss": int(mask.sum()), "spans": [list(s) for s in spans]},
         "input_ids": ids,
@@ -104,19 +108,21 @@ def describe(store: Store, i: int, tokenizer: Any = None, tokenizer_name: str | 
     }
 
 
-def layer_stats(x: torch.Tensor) -> dict:
-    """Statistics of one layer's states ``[T, H]``: the L2 norm of each token (null where it holds NaN or Inf), their
-    mean, the min and max of the finite values, and the NaN and Inf counts."""
+def layer_stats(rows_of: Callable[[int, int], np.ndarray], length: int) -> dict:
+    """Statistics of one layer's states (``rows_of(start, end)``: float64 ``[end - start, H]`` of ``length``
+    tokens): the L2 norm of each token (null where it holds NaN or Inf), their mean, the min and max of the finite
+    values, and the NaN and Inf counts."""
     norms, nan, inf, low, high = [], 0, 0, math.inf, -math.inf
-    for start in range(0, len(x), NORM_ROWS):
-        rows = x[start:start + NORM_ROWS].to(torch.float64)
-        nan += int(rows.isnan().sum())
-        inf += int(rows.isinf().sum())
-        finite = rows[rows.isfinite()]
+    for start in range(0, length, NORM_ROWS):
+        rows = rows_of(start, min(start + NORM_ROWS, length))
+        nan += int(np.isnan(rows).sum())
+        inf += int(np.isinf(rows).sum())
+        finite = rows[np.isfinite(rows)]
         if len(finite):
             low, high = min(low, float(finite.min())), max(high, float(finite.max()))
-        norms.append(torch.linalg.vector_norm(rows, dim=1))
-    per_token = torch.cat(norms).numpy()
+        with np.errstate(over="ignore", invalid="ignore"):
+            norms.append(np.sqrt(np.square(rows).sum(axis=1)))
+    per_token = np.concatenate(norms) if norms else np.zeros(0)
     finite_norms = per_token[np.isfinite(per_token)]
     return {
         "mean_norm": _round(finite_norms.mean()) if len(finite_norms) else None,
@@ -218,6 +224,12 @@ def _matplotlib_figure():
 
 
 def _from_pretrained(path: str) -> Any:
+    """The tokenizer saved in folder ``path``, to decode with: its ``tokenizer.json`` through the ``tokenizers``
+    library when transformers would decode the same text (transformers adds a space clean-up only for tokenizers
+    other than BPE that ask for it), else transformers' ``AutoTokenizer``."""
+    fast = _tokenizer_json(path)
+    if fast is not None:
+        return fast
     from transformers import AutoTokenizer
 
     try:
@@ -226,8 +238,43 @@ def _from_pretrained(path: str) -> Any:
         raise ValueError(f"no tokenizer can be loaded from {path} (local files only)") from None
 
 
-def _tensor_info(value: torch.Tensor | None) -> dict | None:
-    return None if value is None else {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+def _values(stored: np.ndarray, tensor: TensorSpec, hidden: int) -> Callable[[int, int], np.ndarray]:
+    """Rows ``[start, end)`` of a stored hidden-state array as float64 values, as ``store[i]`` reads them."""
+    def rows_of(start: int, end: int) -> np.ndarray:
+        rows = stored[start:end]
+        if tensor.quantized:
+            rows = quantize.dequantize_bits(rows, tensor.layers, hidden, tensor.logical_dtype)
+        if rows.dtype == np.uint16:  # bfloat16 bit patterns: the high half of a float32
+            rows = (rows.astype(np.uint32) << 16).view(np.float32)
+        return rows.astype(np.float64)
+
+    return rows_of
+
+
+def _tokenizer_json(path: str) -> Any:
+    """The ``tokenizers`` Tokenizer of ``path/tokenizer.json`` if it decodes as transformers would, else None."""
+    file, config = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(file):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        fast = Tokenizer.from_file(file)
+        clean_up = False
+        if os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                clean_up = json.load(f).get("clean_up_tokenization_spaces", False)
+    except Exception:  # noqa: BLE001 (tokenizers raises plain Exception): transformers may still load it
+        return None
+    return None if clean_up and type(fast.model).__name__ != "BPE" else fast
+
+
+def _tensor_info(tensor: TensorSpec, length: int, present: bool) -> dict | None:
+    """Shape and dtype of the tensor ``store[i]`` returns (input_ids widened to int64)."""
+    if not present:
+        return None
+    dtype = "int64" if tensor.name == "input_ids" else tensor.read_dtype.name
+    return {"shape": [length] if tensor.width is None else [length, tensor.values_width], "dtype": dtype}
 
 
 def _mark(text: str, in_loss: bool, color: bool) -> str:

@@ -64,9 +64,9 @@ class TensorSpec:
         return self.width - quantize.SCALE_BYTES * self.layers
 
     @property
-    def read_dtype(self) -> Any:
-        """The torch dtype readers return."""
-        return quantize.DEQUANTIZED if self.quantized else self.dtype.torch
+    def read_dtype(self) -> DType:
+        """The dtype readers return (``.torch``: as a torch dtype)."""
+        return quantize.DEQUANTIZED if self.quantized else self.dtype
 
     @property
     def itemsize(self) -> int:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import http.server
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,3 +97,12 @@ def ragged_samples():
     rng = np.random.default_rng(0)
     lengths = [1, 2, 15, 16, 17, 255, 256, 257, 700] + rng.integers(1, 300, 40).tolist()
     return {f"sample-{i:06d}": make_sample(int(n), seed=i) for i, n in enumerate(lengths)}
+
+
+@pytest.fixture(scope="session")
+def demo_store(tmp_path_factory) -> Path:
+    """The README's first command: ``hsdata extract --out demo-store``."""
+    path = tmp_path_factory.mktemp("docs") / "demo-store"
+    subprocess.run([sys.executable, "-m", "hsdata", "extract", "--out", str(path)], check=True,
+                   capture_output=True, timeout=300)
+    return path

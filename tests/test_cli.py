@@ -18,6 +18,30 @@ def hsdata_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hsdata", *args], capture_output=True, text=True, timeout=120)
 
 
+COMMANDS_WITHOUT_TORCH = [["--version"], ["--help"], ["info", "{store}"], ["info", "{fp8}", "--json"],
+                          ["validate", "{store}"], ["validate", "{fp8}"], ["gc", "{store}"], ["show", "{store}", "s1"],
+                          ["show", "{fp8}", "s1", "--json"], ["show", "{demo}", "0"], ["remove", "{store}", "s0"]]
+
+
+def test_the_metadata_commands_load_neither_torch_nor_transformers(tmp_path, demo_store):
+    """``hsdata`` starts in a fraction of torch's import time (benchmarks/cli_start_bench.py): the commands that
+    only read a store (show too: its arrays, its tokenizer through ``tokenizers``) never import either."""
+    samples = {f"s{i}": make_sample(10 * (i + 1), i) for i in range(3)}
+    write_store(tmp_path / "store", samples)
+    with hsdata.create(str(tmp_path / "fp8"), hidden_size=32, aux_layers=[1, 2, 3], dtype="float8_e4m3fn") as w:
+        for sample_id, sample in samples.items():
+            w.add(sample_id, **sample)
+    paths = {"store": str(tmp_path / "store"), "fp8": str(tmp_path / "fp8"), "demo": str(demo_store)}
+    probe = ("import sys, json\nfrom hsdata.cli import main\ntry:\n    code = main(json.loads(sys.argv[1]))\n"
+             "except SystemExit as e:\n    code = e.code\n"
+             "print(json.dumps([code, [m for m in ('torch', 'transformers') if m in sys.modules]]))")
+    for command in COMMANDS_WITHOUT_TORCH:
+        args = [a.format(**paths) for a in command]
+        run = subprocess.run([sys.executable, "-c", probe, json.dumps(args)], capture_output=True, text=True,
+                             timeout=120)
+        assert json.loads(run.stdout.splitlines()[-1]) == [0, []], (args, run.stdout[-500:], run.stderr[-2000:])
+
+
 def test_info_text_and_json(store_path):
     write_store(store_path, {f"s{i}": make_sample(10 * (i + 1), i) for i in range(5)})
     text = hsdata_cli("info", str(store_path))

@@ -32,15 +32,6 @@ def blocks() -> list:
     return found
 
 
-@pytest.fixture(scope="session")
-def demo_store(tmp_path_factory) -> Path:
-    """The README's first command: ``hsdata extract --out demo-store``."""
-    path = tmp_path_factory.mktemp("docs") / "demo-store"
-    subprocess.run([sys.executable, "-m", "hsdata", "extract", "--out", str(path)], check=True,
-                   capture_output=True, timeout=300)
-    return path
-
-
 def test_the_docs_have_runnable_blocks():
     params = blocks()
     ran = [p for p in params if not p.marks]

@@ -61,6 +61,24 @@ def samples():
 
 
 @pytest.mark.parametrize("dtype", list(FP8))
+def test_numpy_dequantization_is_torch_s_bit_for_bit(dtype):
+    """What ``hsdata show`` uses (no torch) against the readers' dequantization: every fp8 byte, scales of every
+    magnitude (subnormal results included), zero tokens."""
+    rng = np.random.default_rng(3)
+    layers, hidden, tokens = 2, 256, 64
+    rows = np.empty((tokens, layers, hidden + 4), np.uint8)
+    rows[:, :, :hidden] = np.arange(tokens * layers * hidden).reshape(tokens, layers, hidden) % 256
+    if dtype == "float8_e4m3fn":  # its NaN patterns, which validate refuses
+        rows[:, :, :hidden][(rows[:, :, :hidden] & 0x7F) == 0x7F] = 0
+    scales = (2.0 ** rng.uniform(-140, 100, (tokens, layers, 1))).astype(np.float32)
+    scales[0] = 1.0
+    rows[:, :, hidden:] = scales.view(np.uint8)
+    rows = rows.reshape(tokens, -1)
+    expected = hsdata.quantize.dequantize(torch.from_numpy(rows), layers, hidden, dtype).view(torch.int16).numpy()
+    assert np.array_equal(hsdata.quantize.dequantize_bits(rows, layers, hidden, dtype), expected.view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", list(FP8))
 def test_rows_are_the_specs_bit_for_bit_and_read_back_as_bfloat16(tmp_path, samples, dtype):
     path = write_fp8(tmp_path / "s", samples, dtype)
     store, raw = hsdata.open(path), hsdata.open(path, dequantize=False)

@@ -89,6 +89,21 @@ def test_statistics_of_known_values(tmp_path, capsys, dtype):
     assert report["input_ids"] == list(range(100, 110)) and report["text"] is None
 
 
+def test_an_fp8_store_reports_the_values_its_reads_give(tmp_path, capsys):
+    sample = known_sample()
+    sample["aux_hidden_states"][:, :H] = torch.linspace(-3, 7, 10 * H).view(10, H)  # values fp8 must round
+    sample["aux_hidden_states"] = sample["aux_hidden_states"].nan_to_num(nan=0.5, posinf=6.0)
+    store = write(tmp_path / "store", {"s": sample}, "float8_e4m3fn")
+    report = show_json(capsys, store, "s")
+    read = hsdata.open(store)[0]
+    assert report["tensors"]["aux_hidden_states"] == {"shape": [10, 3 * H], "dtype": "bfloat16"}
+    for layer, states in zip(report["layers"], [*read["aux_hidden_states"].split(H, dim=1), read["hidden_states"]]):
+        wide = states.double()
+        norms = torch.linalg.vector_norm(wide, dim=1).tolist()
+        assert layer["norms"] == [pytest.approx(v, rel=1e-4) for v in norms]
+        assert (layer["min"], layer["max"]) == (float(wide.min()), float(wide.max()))
+
+
 def test_text_output(tmp_path, capsys):
     store = write(tmp_path / "store", {"s": known_sample()})
     assert main(["show", store, "s"]) == 0

@@ -29,7 +29,8 @@ from ..repair import remove_samples
 from ..spec import TENSOR_NAMES
 from ..io.storage import Storage
 from ..writer import DEFAULT_MAX_PENDING_BYTES, Writer, create
-from . import BadSourceError, SourceSample, dtype_name, get
+from . import get
+from .common import BadSourceError, SourceSample, dtype_name
 
 DEFAULT_COMMIT_BYTES = 1 << 30
 MAX_PENDING_BYTES = 256 << 20

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from . import (
+from .common import (
     BadSourceError,
     SourceSample,
     check_sample,

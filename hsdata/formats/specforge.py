@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from . import (
+from .common import (
     BadSourceError,
     SourceSample,
     check_sample,

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from . import BadSourceError, SourceSample, check_sample, dtype_name, save_atomic, tensor, torch_dtype, walk
+from .common import BadSourceError, SourceSample, check_sample, dtype_name, save_atomic, tensor, torch_dtype, walk
 
 NAME = "speculators"
 FINAL_HIDDEN_STATE = "pre_norm"

@@ -13,10 +13,12 @@ import os
 import sys
 import threading
 import weakref
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import pinned as pinning
+
+if TYPE_CHECKING:
+    import torch
 
 MIN_POOLED_BYTES = 1 << 20  # smaller unpinned buffers come from malloc, which recycles them itself
 GRANULE = 1 << 20  # pooled sizes are rounded up to this, and above 8 granules to steps of 1/8 of a power of two
@@ -41,6 +43,8 @@ class BufferPool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes``: a recycled buffer when one is free, else a new one."""
+        import torch
+
         if nbytes == 0 or (not self.pinned and (nbytes < MIN_POOLED_BYTES or self.max_idle_bytes <= 0)):
             return torch.empty(nbytes, dtype=torch.uint8)
         with self._lock:
@@ -90,6 +94,8 @@ class BufferPool:
 
 def shared_bytes(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of ``nbytes`` in fresh shared memory, which torch sends between processes by handle."""
+    import torch
+
     return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
 
 

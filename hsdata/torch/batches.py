@@ -63,7 +63,7 @@ class Hidden:
         aux, final = spec.tensor("aux_hidden_states"), spec.tensor("hidden_states")
         if stored and final.quantized:
             return cls(torch.uint8, aux.width, final.width)
-        return cls(final.read_dtype, aux.values_width, final.values_width)
+        return cls(final.read_dtype.torch, aux.values_width, final.values_width)
 
     @classmethod
     def of_item(cls, item: dict[str, Any]) -> Hidden:
