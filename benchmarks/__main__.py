@@ -65,6 +65,8 @@ SUITE = [
           ("--dir", "{dir}", "--gib", "4", "--hidden", "4096", "--workers", "8", "--ranks", "8")),
     Bench("validate", "validate_bench.py", "hsdata validate against raw reads of the same files",
           ("--dir", "{dir}", "--gib", "1", "--hidden", "4096", "--workers", "2"), ("--dir", "{dir}", "--gib", "6")),
+    Bench("cli", "cli_start_bench.py", "how fast the command line answers (--version, --help, info, validate, show) "
+          "against python -c 'import torch'", ("--dir", "{dir}", "--repeat", "5"), ("--dir", "{dir}", "--repeat", "9")),
     Bench("metadata", "metadata_bench.py", "open, len and lookups from 1K to 1M samples against listing "
           "per-sample files", ("--dir", "{dir}", "--samples", "1000", "10000", "100000", "--runs", "3"),
           ("--dir", "{dir}", "--samples", "1000", "10000", "100000", "1000000", "--runs", "5")),
