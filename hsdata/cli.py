@@ -143,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     args.command_line = shlex.join(["hsdata", *argv])
     if unknown:  # report it with the subcommand's own usage, not the top-level one
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    code = _dispatch(args)
+    distributed = sys.modules.get("hsdata.extract.distributed")  # loaded by a rank of an extraction job
+    return code if distributed is None else distributed.exit_if_broken(code)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    """Run the command; its exit status (errors: one line on stderr, status 2)."""
     try:
         return {"info": _info, "validate": _validate, "gc": _gc, "extract": _extract, "show": _show,
                 "remove": _remove, "import": _import, "export": _export, "convert": _convert}[args.command](args)

@@ -8,6 +8,7 @@ at the start, every rank's summary at the end. Each rank writes its own part of 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -52,6 +53,17 @@ def stop() -> None:
     with a broken connection can abort the process ("terminate called without an active exception")."""
     if not _broken:
         dist.destroy_process_group()
+
+
+def exit_if_broken(code: int) -> int:
+    """``code``, or, in a process whose collective failed (a rank died), the end of the process with ``code`` now:
+    the interpreter's teardown would destroy the broken gloo group, which can abort ("terminate called without
+    an active exception", exit -6 instead of ``code``)."""
+    if _broken:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def from_rank0(read: Callable[[], T]) -> T:
