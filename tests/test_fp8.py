@@ -190,6 +190,36 @@ def test_every_collate_convention_and_the_loader_get_bfloat16_states(tmp_path, s
         Eagle3Dataset(path, dequantize=False)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_truncated_samples_get_their_first_rows_dequantized_and_still_verified(tmp_path, samples, workers):
+    """``max_length`` on an fp8 store: an item and a padded batch hold the first rows of the full sample's
+    bfloat16 states; the rows beyond still feed the checksum, so damage there is caught."""
+    path = write_fp8(tmp_path / "s", samples)
+    store, cut = hsdata.open(path), 24
+    dataset = Eagle3Dataset(path, max_length=cut)
+    for i in range(len(dataset)):
+        item, full = dataset[i], store.get(dataset[i]["sample_id"])
+        for name in ("aux_hidden_states", "hidden_states"):
+            assert torch.equal(item[name].view(torch.int16), full[name][:cut].view(torch.int16)), name
+    loader = Loader(dataset, batch_size=3, num_workers=workers, multiprocessing_context="fork" if workers else None)
+    seen = []
+    for batch in loader:
+        for b, sample_id in enumerate(batch["sample_id"]):
+            n = min(cut, int(store.lengths[store.index(sample_id)]))
+            assert torch.equal(batch["hidden_states"][b, :n].view(torch.int16),
+                               store.get(sample_id)["hidden_states"][:n].view(torch.int16))
+            assert not batch["hidden_states"][b, n:].any()
+            seen.append(sample_id)
+    assert sorted(seen) == sorted(samples)
+    part, offset, n = store.location(store.index("s5"))  # 65 tokens: flip a byte of its last row
+    array = zarr.open_group(path, mode="r+")[f"parts/{part}/hidden_states"]
+    row = array[offset + n - 1]
+    row[0] ^= 1
+    array[offset + n - 1] = row
+    with pytest.raises(hsdata.CorruptDataError, match="s5"):
+        Eagle3Dataset(path, max_length=cut)[store.index("s5")]
+
+
 def test_validate_reports_an_fp8_nan_and_a_bad_scale_whose_checksums_agree(tmp_path, capsys):
     samples = {"a": make_sample(6, seed=1), "b": make_sample(6, seed=2)}
     path = write_fp8(tmp_path / "s", samples, chunk_tokens=16, shard_tokens=256)
