@@ -245,3 +245,30 @@ def test_two_data_parallel_schedulers_of_a_float32_server_write_one_part_each(wo
         worst = max(worst, state_error(got, want.get(sample_id)))
     assert worst < 0.01, (f"float32 states differ from the bfloat16 server's by {worst:.4f} "
                           "(relative L2; measured <= 0.0054)")
+
+
+def test_an_fp8_server_stores_the_rows_of_what_it_computed_quantized(workdir, model, data, reference):
+    """The hook's ``store_dtype``: SGLang's own rows (``return_hidden_states``) quantized as the writer does are the
+    stored bytes, bit for bit; the extraction's states are the bf16 server's within fp8's error. (Sizes are
+    measured in benchmarks/RESULTS.md: these tiny samples, committed every 0.5 s, are mostly chunk padding.)"""
+    _, reference_store, _ = reference
+    store = workdir / "fp8"
+    ids = list(range(5, 60))
+    with Server(model, store, workdir / "fp8.log", hook_config={"store_dtype": "float8_e4m3fn"}) as server:
+        result = extract(server, data, store)
+        assert result.returncode == 0, result.stdout + result.stderr + server.log_tail()
+        reply = server.post("/generate", {"input_ids": ids, "rid": f"{RID_PREFIX}returned-fp8",
+                                          "return_hidden_states": True, "sampling_params": {"max_new_tokens": 1}})
+        assert wait_for(lambda: store_with(store, "returned-fp8")), server.log_tail()
+    (rows,) = reply["meta_info"]["hidden_states"]
+    returned = torch.tensor(rows, dtype=torch.float32).to(torch.bfloat16)
+    opened = hsdata.open(str(store))
+    assert opened.spec.dtype == "float8_e4m3fn"
+    stored = opened.read_arrays(opened.index("returned-fp8"))["aux_hidden_states"]
+    expected = hsdata.quantize.quantize(returned, len(AUX_LAYER_IDS), "float8_e4m3fn").numpy()
+    assert stored.shape == expected.shape and (stored == expected).all()
+    report = validate(str(store))
+    assert report.ok, report.problems
+    want = hsdata.open(str(reference_store))
+    worst = max(state_error(opened.get(sample_id), want.get(sample_id)) for sample_id in want.sample_ids)
+    assert worst < 0.05, f"fp8 states differ from the bf16 server's by {worst:.4f} (relative L2)"
