@@ -8,6 +8,7 @@ finished, on ``flush()`` and on ``close()``. Nothing becomes visible before its 
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import threading
 import uuid
@@ -431,6 +432,9 @@ class _PartWriter:
         for task in tasks:
             task.result()
         self._array_tokens = max(tokens, self._array_tokens)
+        if not self.storage.exists(ROOT_METADATA):  # the folder removed under us: storage would recreate its path
+            raise FileNotFoundError(errno.ENOENT, f"{self.storage.describe(ROOT_METADATA)} is gone: the store was "
+                                    f"removed while part {self.part} was written")
         manifest.write(self.storage, self.part, self._seq, rows)
         self._seq += 1
         self.num_committed += len(rows)

@@ -159,12 +159,17 @@ class PrefillHook:
                              f"model passes {width}: set \"aux_layers\" in the hook config")
         model = self.config.model or _server_model()
         provenance = {**self._provenance(model, list(layers), final), **(self.config.provenance or {})}
-        writer = hsdata.create(self.config.store, hidden_size=hidden, aux_layers=list(layers), model=model,
-                               dtype=self.config.store_dtype or final.dtype, compute_dtype=final.dtype,
-                               vocab_size=vocab_size(module), storage_options=self.config.storage_options,
-                               provenance=provenance, compression=self.config.compression)
+        vocab = vocab_size(module)
+
+        def new_writer() -> hsdata.Writer:  # the first part, and a fresh one after a write fault
+            return hsdata.create(self.config.store, hidden_size=hidden, aux_layers=list(layers), model=model,
+                                 dtype=self.config.store_dtype or final.dtype, compute_dtype=final.dtype,
+                                 vocab_size=vocab, storage_options=self.config.storage_options,
+                                 provenance=provenance, compression=self.config.compression)
+
+        writer = new_writer()
         capture = Capture(writer, flush_interval_s=self.config.flush_interval_s,
-                          max_staged_bytes=self.config.max_staged_bytes)
+                          max_staged_bytes=self.config.max_staged_bytes, reopen=new_writer)
         atexit.register(self.close)
         log.info("hsdata: storing prefill hidden states in %s (part %s, computed in %s, stored as %s)",
                  self.config.store, writer.part, writer.spec.compute_dtype, writer.spec.dtype)

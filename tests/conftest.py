@@ -99,6 +99,23 @@ def ragged_samples():
     return {f"sample-{i:06d}": make_sample(int(n), seed=i) for i, n in enumerate(lengths)}
 
 
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 3 MiB tmpfs (root only: skipped elsewhere); ``resize_filesystem`` changes its size."""
+    mount_point = tmp_path / "small-fs"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip() or result.returncode}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def resize_filesystem(mount_point: Path, size: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(mount_point)], check=True)
+
+
 @pytest.fixture(scope="session")
 def demo_store(tmp_path_factory) -> Path:
     """The README's first command: ``hsdata extract --out demo-store``."""

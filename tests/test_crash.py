@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -101,18 +102,6 @@ def test_kill_9_at_random_moments_loses_nothing_committed(tmp_path, kill_a_write
     assert validate(str(store)).ok
 
 
-@pytest.fixture
-def small_filesystem(tmp_path):
-    mount_point = tmp_path / "small-fs"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip() or result.returncode}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
-
-
 def test_filesystem_full_gives_a_clear_error_and_a_valid_store(small_filesystem):
     store = small_filesystem / "store"
     written = {}
@@ -130,3 +119,17 @@ def test_filesystem_full_gives_a_clear_error_and_a_valid_store(small_filesystem)
     report = validate(str(store))
     assert report.ok, [p.line() for p in report.problems]
     assert not [k for k in report.leftovers if ".partial" in k]  # the failed writer removed its partial files
+
+
+def test_a_store_removed_under_its_writer_fails_the_next_commit_and_nothing_comes_back(tmp_path):
+    """Local storage makes a key's folders as it writes: without a check a writer whose store was removed would
+    commit manifests into a headless copy of the store's folders."""
+    store = tmp_path / "store"
+    with pytest.raises(hsdata.WriterError, match="the store was removed while part"):
+        with hsdata.create(str(store), **SPEC, **LAYOUT) as w:
+            w.add("s0", **make_sample(40, seed=0))
+            w.flush()
+            shutil.rmtree(store)
+            w.add("s1", **make_sample(40, seed=1))
+            w.flush()
+    assert not list(store.rglob("*.parquet"))  # no manifest committed after the removal

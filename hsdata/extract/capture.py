@@ -10,13 +10,15 @@ in small chunks on a side CUDA stream) and returns; a background thread reassemb
 from __future__ import annotations
 
 import collections
+import errno
 import logging
+import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -27,6 +29,8 @@ from ..writer import Writer
 log = logging.getLogger("hsdata.extract.capture")
 
 QUANTIZE_ROWS = 2048  # rows of states quantized at once on a GPU (float32 temporaries: 8 bytes a value)
+FAULT_LOG_INTERVAL_S = 60.0  # a write fault's cause is logged at most this often, with counts
+REOPEN_BACKOFF_S = (1.0, 30.0)  # a failed store is tried again after 1 s, doubling up to 30 s
 RADIX_CACHE_FIX = ("its hidden states were never computed: run the server with --disable-radix-cache, or send "
                    "each request a unique cache_salt")
 
@@ -149,9 +153,16 @@ class Capture:
     """
 
     def __init__(self, writer: Writer, *, flush_interval_s: float = 5.0, max_staged_bytes: int = 4 << 30,
-                 loss_masks: Mapping[str, Any] | None = None, copy_chunk_bytes: int = 8 << 20):
+                 loss_masks: Mapping[str, Any] | None = None, copy_chunk_bytes: int = 8 << 20,
+                 reopen: Callable[[], Writer] | None = None):
         """``loss_masks`` gives samples their mask when the front end knows it (an in-process engine); the
-        server hook does not, and its client adds masks to the store instead."""
+        server hook does not, and its client adds masks to the store instead.
+
+        ``reopen``: a write fault (a full disk, the store's folder gone, an object store's errors) fails only the
+        samples it touches (those not yet committed, and those completed until the store takes writes again):
+        the failed writer is aborted and ``reopen()`` (a writer of a fresh part) is tried after 1 s, backing off
+        to 30 s, so capture resumes by itself; ``samples_failed`` counts what was lost. Without it (an
+        extraction that should stop at its first fault), a fault stops the capture."""
         if flush_interval_s <= 0 or max_staged_bytes <= 0 or copy_chunk_bytes <= 0:
             raise ValueError("flush_interval_s, max_staged_bytes and copy_chunk_bytes must be positive")
         self.writer = writer
@@ -162,6 +173,12 @@ class Capture:
         self._fp8 = writer.spec.dtype if writer.spec.tensor("hidden_states").quantized else None
         self.assembler = Assembler()
         self.samples_written = 0
+        self.samples_failed = 0
+        self._reopen = reopen
+        self._uncommitted = 0  # samples added to the writer since its last commit
+        self._next_reopen = 0.0
+        self._backoff = REOPEN_BACKOFF_S[0]
+        self._faults = _FaultLog()
         self._cond = threading.Condition()
         self._on_device: collections.deque[_Staged] = collections.deque()
         self._staged: collections.deque[_Staged] = collections.deque()
@@ -293,10 +310,16 @@ class Capture:
         if self.assembler.in_progress:
             log.warning("hsdata: %d request(s) still incomplete at shutdown were not stored",
                         self.assembler.in_progress)
-        if self._error is None:
-            self.writer.close()
-        else:
+        if self.writer is not None and self._error is not None:
             self.writer.abort()
+        elif self.writer is not None:
+            try:
+                self.writer.close()
+            except Exception as e:  # noqa: BLE001 - with reopen, a fault at the last commit fails its samples only
+                if self._reopen is None:
+                    raise
+                self._broken(e)
+        self._faults.flush(force=True)
 
     def _run(self) -> None:
         next_flush = time.monotonic() + self.flush_interval_s
@@ -317,7 +340,7 @@ class Capture:
                         self._cond.notify_all()
                 if time.monotonic() >= next_flush:
                     if unflushed:
-                        self.writer.flush()
+                        self._flush()
                         unflushed = 0
                     next_flush = time.monotonic() + self.flush_interval_s
         except BaseException as e:  # noqa: BLE001 - the server keeps running; captures stop, loudly
@@ -343,15 +366,108 @@ class Capture:
                                       staged.final[rows].clone())
             if done is None:
                 continue
+            writer = self._writer()
+            if writer is None:  # the store takes no writes yet: the sample fails
+                self._faults.add("the store takes no writes yet", 1, level=logging.WARNING)
+                self.samples_failed += 1
+                continue
             try:
-                self.writer.add(done.sample_id, input_ids=done.input_ids, loss_mask=self.loss_masks.get(done.sample_id),
-                                aux_hidden_states=done.aux_hidden_states, hidden_states=done.hidden_states)
+                writer.add(done.sample_id, input_ids=done.input_ids, loss_mask=self.loss_masks.get(done.sample_id),
+                           aux_hidden_states=done.aux_hidden_states, hidden_states=done.hidden_states)
             except InvalidSampleError as e:  # e.g. a request id already committed: that sample stays as it was
                 log.warning("hsdata: request not stored: %s", e)
                 continue
+            except Exception as e:  # noqa: BLE001 - a write fault: with reopen, it fails these samples only
+                if self._reopen is None:
+                    raise
+                self._broken(e, also_lost=1)
+                continue
+            self._uncommitted += 1
+            self.samples_written += 1
             written += 1
-        self.samples_written += written
         return written
+
+    def _flush(self) -> None:
+        if self.writer is None:  # it failed since: what it held is counted failed already
+            return
+        try:
+            self.writer.flush()
+        except Exception as e:  # noqa: BLE001 - see _write
+            if self._reopen is None:
+                raise
+            self._broken(e)
+            return
+        self._uncommitted = 0
+
+    def _writer(self) -> Writer | None:
+        """The writer, or after a fault a fresh one once the store takes writes again (None until then)."""
+        if self.writer is not None or time.monotonic() < self._next_reopen:
+            return self.writer
+        try:
+            self.writer = self._reopen()
+        except Exception as e:  # noqa: BLE001 - still failing: tried again later
+            self._faults.add(_fault_cause(e), 0, f"reopening the store: {e!r}")
+            self._next_reopen = time.monotonic() + self._backoff
+            self._backoff = min(2 * self._backoff, REOPEN_BACKOFF_S[1])
+            return None
+        self._backoff = REOPEN_BACKOFF_S[0]
+        self._faults.add("capture resumed in a fresh part", 0, f"part {self.writer.part}, {self.samples_failed} "
+                         "sample(s) failed in all", logging.WARNING)
+        return self.writer
+
+    def _broken(self, error: BaseException, also_lost: int = 0) -> None:
+        """A write fault: the writer's uncommitted samples fail (and ``also_lost``, the one being added), it is
+        aborted, and a fresh one follows once the store takes writes again."""
+        lost = self._uncommitted + also_lost
+        self.samples_written -= self._uncommitted
+        self.samples_failed += lost
+        self._uncommitted = 0
+        self._faults.add(_fault_cause(error), lost, repr(error))
+        try:
+            self.writer.abort()
+        except Exception:  # noqa: BLE001 - it has failed already; nothing it wrote after its last commit shows
+            pass
+        self.writer = None
+        self._next_reopen = time.monotonic() + self._backoff
+
+
+class _FaultLog:
+    """Write faults by cause, each logged at once and then at most every ``FAULT_LOG_INTERVAL_S`` with the counts
+    gathered meanwhile (``flush(force=True)`` logs what is pending, at close)."""
+
+    def __init__(self):
+        self._pending: dict[str, list] = {}  # cause: [level, times, samples failed, latest detail]
+        self._logged: dict[str, float] = {}
+
+    def add(self, cause: str, samples: int, detail: str = "", level: int = logging.ERROR) -> None:
+        entry = self._pending.setdefault(cause, [level, 0, 0, ""])
+        entry[1] += 1
+        entry[2] += samples
+        entry[3] = detail
+        self.flush()
+
+    def flush(self, force: bool = False) -> None:
+        now = time.monotonic()
+        for cause in list(self._pending):
+            if force or now - self._logged.get(cause, -FAULT_LOG_INTERVAL_S) >= FAULT_LOG_INTERVAL_S:
+                level, times, samples, detail = self._pending.pop(cause)
+                lost = f", {samples} sample(s) not stored" if samples else ""
+                log.log(level, "hsdata: %s (%d time(s)%s since last said)%s", cause, times, lost,
+                        f"; latest: {detail}" if detail else "")
+                self._logged[cause] = now
+
+
+def _fault_cause(error: BaseException) -> str:
+    """What a fault is, without what varies between its occurrences (a part's name): the errno's name of the
+    OSError under it, or the innermost exception's type."""
+    seen = error
+    while True:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"writes fail: {os.strerror(seen.errno)} ({errno.errorcode.get(seen.errno, seen.errno)})"
+        inner = seen.__cause__ or seen.__context__
+        if inner is None:
+            return f"writes fail: {type(seen).__name__}"
+        seen = inner
 
 
 def provenance(engine: str, engine_version: str) -> dict[str, str]:
