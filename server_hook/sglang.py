@@ -25,7 +25,7 @@ import torch
 import hsdata
 from hsdata.extract import capture as capture_module
 from hsdata import compression
-from hsdata.extract.capture import Capture, Piece, vocab_size
+from hsdata.extract.capture import Capture, Piece, vocab_size, writer_queue_bytes
 from hsdata.extract.client import RID_PREFIX
 from hsdata.dtypes import hidden_dtype
 from hsdata.layout import check_provenance
@@ -47,6 +47,8 @@ class HookConfig:
     storage_options: dict = field(default_factory=dict)
     flush_interval_s: float = 5.0
     max_staged_bytes: int = 4 << 30  # host memory for rows copied off the GPU and not yet written
+    on_backpressure: str = "block"  # max_staged_bytes waiting: "block" (the forward waits) or "drop" (never waits)
+    max_wait_s: float | None = None  # under "block": a forward waits at most this long, then its requests drop
     provenance: dict | None = None  # recorded in the store's provenance over what the hook records itself
     compression: str | None = None  # "zstd" or "lz4": compress the hidden states of a store the hook creates
 
@@ -77,6 +79,12 @@ class HookConfig:
         parsed = cls(**config)
         if parsed.flush_interval_s <= 0 or parsed.max_staged_bytes <= 0:
             raise ValueError("hsdata hook: flush_interval_s and max_staged_bytes must be positive")
+        if parsed.on_backpressure not in capture_module.BACKPRESSURE:
+            raise ValueError(f"hsdata hook: on_backpressure must be one of {capture_module.BACKPRESSURE}, "
+                             f"got {parsed.on_backpressure!r}")
+        if parsed.max_wait_s is not None and not (isinstance(parsed.max_wait_s, (int, float))
+                                                  and parsed.max_wait_s >= 0):
+            raise ValueError(f"hsdata hook: max_wait_s must be a number of seconds >= 0, got {parsed.max_wait_s!r}")
         return parsed
 
 
@@ -165,11 +173,13 @@ class PrefillHook:
             return hsdata.create(self.config.store, hidden_size=hidden, aux_layers=list(layers), model=model,
                                  dtype=self.config.store_dtype or final.dtype, compute_dtype=final.dtype,
                                  vocab_size=vocab, storage_options=self.config.storage_options,
-                                 provenance=provenance, compression=self.config.compression)
+                                 provenance=provenance, compression=self.config.compression,
+                                 max_pending_bytes=writer_queue_bytes(self.config.max_staged_bytes))
 
         writer = new_writer()
         capture = Capture(writer, flush_interval_s=self.config.flush_interval_s,
-                          max_staged_bytes=self.config.max_staged_bytes, reopen=new_writer)
+                          max_staged_bytes=self.config.max_staged_bytes, reopen=new_writer,
+                          on_backpressure=self.config.on_backpressure, max_wait_s=self.config.max_wait_s)
         atexit.register(self.close)
         log.info("hsdata: storing prefill hidden states in %s (part %s, computed in %s, stored as %s)",
                  self.config.store, writer.part, writer.spec.compute_dtype, writer.spec.dtype)

@@ -289,6 +289,7 @@ class _ProxyState:
         self.lock = threading.Lock()
         self.fail_every = 0  # answer 503 SlowDown to every Nth request ...
         self.fail_multipart_once = False  # ... and to the first try of each multipart-upload request
+        self.delay_s = 0.0  # every write (PUT, POST, DELETE) waits this long first: a slow store
         self.requests = 0
         self.log: list[tuple[str, str, bool]] = []  # (method, path?query, failed)
         self._seen: set[tuple[str, str]] = set()
@@ -332,6 +333,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
     def _relay(self) -> None:
         state: _ProxyState = self.server.state
         body = self._body()  # read before answering, also when failing, so the connection stays usable
+        if state.delay_s and self.command in ("PUT", "POST", "DELETE"):
+            time.sleep(state.delay_s)
         if state.should_fail(self.command, self.path):
             self.send_response(503, "Slow Down")
             self.send_header("Content-Type", "application/xml")

@@ -22,7 +22,10 @@ from conftest import AUX, HIDDEN, assert_same, make_sample, resize_filesystem
 from hsdata.extract.client import RID_PREFIX
 from hsdata.validate import validate
 from hsdata.extract import capture as capture_module
+from hsdata.extract.capture import Assembler, Piece
 from server_hook.sglang import HookConfig, PrefillHook
+from test_remote import BUCKET, s3  # noqa: F401 - s3 is a fixture (moto server on loopback)
+from test_remote_faults import proxy  # noqa: F401 - a fixture: a fault-injecting proxy in front of s3
 
 
 class LogitsProcessor(torch.nn.Module):
@@ -189,6 +192,10 @@ def test_config_is_checked():
         HookConfig.parse({"store": "/x", "flush_interval_s": 0})
     with pytest.raises(ValueError, match="hsdata hook: compression must be None, 'none', 'zstd', 'lz4'"):
         HookConfig.parse({"store": "/x", "compression": "gzip"})
+    with pytest.raises(ValueError, match="on_backpressure must be one of \\('block', 'drop'\\), got 'wait'"):
+        HookConfig.parse({"store": "/x", "on_backpressure": "wait"})
+    with pytest.raises(ValueError, match="max_wait_s must be a number of seconds >= 0, got -1"):
+        HookConfig.parse({"store": "/x", "max_wait_s": -1})
 
 
 def test_the_hook_writes_a_compressed_store_when_asked(tmp_path):
@@ -374,3 +381,62 @@ def test_a_store_removed_mid_run_is_created_again_and_capture_goes_on(tmp_path, 
     assert validate(str(store)).ok
     said = [r.getMessage() for r in caplog.records]
     assert any("capture resumed in a fresh part" in line for line in said) and len(said) <= 6, said
+
+
+@pytest.mark.parametrize("policy", ["block", "block, max_wait_s 0.3", "drop"])
+def test_a_store_slower_than_the_model_blocks_or_drops_as_configured(s3, proxy, policy, caplog):  # noqa: F811
+    """Backpressure (issue 29): an S3 store whose every write takes 0.5 s (about 2 MiB/s) under chunked prefill
+    at ~20 MiB/s. "block" loses nothing and the forwards wait; with ``max_wait_s`` no forward waits much longer
+    than it; "drop" never makes a forward wait. Dropped requests lose all their pieces (earlier and later ones),
+    what is stored is whole and exact, and staged host memory stays within ``max_staged_bytes``."""
+    proxy["state"].delay_s = 0.5
+    config = {"storage_options": {**proxy["options"], "default_block_size": 5 << 20},  # s3fs's smallest part
+              "max_staged_bytes": 1 << 20, "flush_interval_s": 0.2,
+              "on_backpressure": policy.split(",")[0], **({"max_wait_s": 0.3} if "max_wait_s" in policy else {})}
+    store = f"s3://{BUCKET}/slow-{policy.replace(' ', '').replace(',', '-')}"
+    model, hook = hooked_model(store, **config)
+    prompts = {f"slow-{i}": make_sample(2048, seed=i) for i in range(40)}  # 528 KiB of states each
+    started, waits = [], []
+    model.logits_processor.register_forward_pre_hook(lambda *_: started.append(time.monotonic()))
+    model.logits_processor.register_forward_hook(lambda *_: waits.append(time.monotonic() - started[-1]))
+    with caplog.at_level(logging.WARNING, logger="hsdata.extract.capture"):
+        serve(model, prompts, chunk=512, budget=1024, decode_every=1000)  # 2 requests a forward, 4 pieces each
+        capture = hook.capture
+        hook.close()
+    later = max(waits[1:])  # the first forward creates the store
+    stored = hsdata.open(store, storage_options=s3["options"])
+    assert len(stored) == capture.samples_written and len(stored) + capture.samples_dropped == len(prompts)
+    for rid in stored.sample_ids:
+        assert_same(stored.get(rid), {k: v for k, v in prompts[rid].items() if k != "loss_mask"})
+    assert validate(store, storage_options=s3["options"]).ok
+    dropped = [r.getMessage() for r in caplog.records if "requests dropped" in r.getMessage()]
+    if policy == "block":
+        assert capture.samples_dropped == 0 and later > 0.5, later  # nothing lost; the forwards waited
+        assert not dropped
+    else:
+        assert capture.samples_dropped > 0 and 0 < len(dropped) <= 2, dropped  # once, then the counts at close
+        assert later < (1.0 if "max_wait_s" in policy else 0.25), later
+    assert 0 < capture.peak_staged_bytes <= capture.max_staged_bytes
+
+
+def test_a_dropped_or_failed_request_sent_again_is_taken_again(caplog):
+    """The assembler's bookkeeping under faults: a dropped request's later chunks are ignored without the
+    radix-cache warning, and the same request sent again (the client's retry) is assembled anew; a completed
+    request whose write failed is forgotten, so that its retry is taken too."""
+    assembler = Assembler()
+    rows = make_sample(8, seed=0)
+
+    def piece(start, length):
+        args = rows["input_ids"][start:start + length], rows["aux_hidden_states"][start:start + length]
+        return assembler.add(Piece("r", start, 0, length), 8, *args, rows["hidden_states"][start:start + length])
+
+    with caplog.at_level(logging.WARNING, logger="hsdata.extract.capture"):
+        assert piece(0, 4) is None
+        assert assembler.drop("r")
+        assert piece(4, 4) is None and assembler.in_progress == 0  # the rest of the dropped prefill
+        assert piece(0, 4) is None and piece(4, 4) is not None  # sent again: whole
+        assert piece(0, 8) is None  # a finished request's re-prefill is not stored twice ...
+        assembler.forget("r")
+        done = piece(0, 8)  # ... unless its write failed
+    assert done is not None and torch.equal(done.hidden_states, rows["hidden_states"])
+    assert not caplog.records

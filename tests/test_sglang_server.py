@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import resize_filesystem
 from sglang_server import AUX_LAYER_IDS, Server, make_model
 
 import hsdata
@@ -273,3 +274,62 @@ def test_an_fp8_server_stores_the_rows_of_what_it_computed_quantized(workdir, mo
     extracted = [json.loads(line)["id"] for line in data.read_text().splitlines()]  # other tests add to the reference
     worst = max(state_error(opened.get(sample_id), want.get(sample_id)) for sample_id in extracted)
     assert worst < 0.05, f"fp8 states differ from the bf16 server's by {worst:.4f} (relative L2)"
+
+
+def fill(folder: Path) -> Path:
+    """Write a file into ``folder`` until its filesystem is full (another tenant filling the disk)."""
+    ballast = folder / "ballast"
+    with open(ballast, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError as e:
+            assert e.errno == 28, e
+    return ballast
+
+
+def greedy(server: Server) -> list[int]:
+    """A greedy generation by a request the hook does not store (another client's traffic)."""
+    reply = server.post("/generate", {"input_ids": list(range(3, 40)), "rid": "not-stored-greedy",
+                                      "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})
+    return reply["output_ids"]
+
+
+def test_a_full_disk_fails_its_samples_the_server_serves_on_and_a_rerun_completes_the_store(
+        workdir, model, data, small_filesystem):
+    """Issue 29: the store's disk fills midway (another file takes the space). The samples sent meanwhile fail,
+    the client says so and exits 1; the server answers every request, /health stays 200, a greedy generation is
+    the one made before, and the hook's log says each cause a few times, not once per sample. Once the space is
+    back, a rerun against the same server completes the store (24 of 24) and it validates."""
+    resize_filesystem(small_filesystem, "64m")
+    store = small_filesystem / "store"
+    rows = data.read_text().splitlines()[:24]
+    first_half, all_rows = workdir / "full-first.jsonl", workdir / "full-all.jsonl"
+    first_half.write_text("\n".join(rows[:12]) + "\n")
+    all_rows.write_text("\n".join(rows) + "\n")
+    with Server(model, store, workdir / "full.log") as server:
+        before = greedy(server)
+        result = extract(server, first_half, store)
+        assert result.returncode == 0, result.stdout + result.stderr + server.log_tail()
+        ballast = fill(small_filesystem)
+
+        full = extract(server, all_rows, store, "--commit-timeout", "5")
+        assert full.returncode == 1, full.stdout + full.stderr
+        assert "12 already in the store, 12 sent" in full.stdout and "12 failed" in full.stdout, full.stdout
+        server.get("/health")  # raises unless 200
+        assert greedy(server) == before
+
+        ballast.unlink()
+        rerun = extract(server, all_rows, store)
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr + server.log_tail()
+        assert "12 already in the store, 12 sent" in rerun.stdout and "12 committed, 0 failed" in rerun.stdout
+        assert greedy(server) == before
+        said = [line for line in server.log_path.read_text().splitlines() if "hsdata:" in line]
+    checked = run_hsdata("validate", store)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    opened = hsdata.open(str(store))
+    assert sorted(opened.sample_ids) == sorted(json.loads(row)["id"] for row in rows)
+    assert all(opened.get(sample_id)["loss_mask"] is not None for sample_id in opened.sample_ids)
+    faults = [line for line in said if "No space left on device" in line or "takes no writes" in line]
+    assert faults and len(faults) <= 8, "\n".join(said)

@@ -24,13 +24,15 @@ import torch
 
 from .. import quantize
 from ..errors import InvalidSampleError
-from ..writer import Writer
+from ..writer import DEFAULT_MAX_PENDING_BYTES, Writer
 
 log = logging.getLogger("hsdata.extract.capture")
 
 QUANTIZE_ROWS = 2048  # rows of states quantized at once on a GPU (float32 temporaries: 8 bytes a value)
 FAULT_LOG_INTERVAL_S = 60.0  # a write fault's cause is logged at most this often, with counts
 REOPEN_BACKOFF_S = (1.0, 30.0)  # a failed store is tried again after 1 s, doubling up to 30 s
+BACKPRESSURE = ("block", "drop")  # what a forward does when max_staged_bytes are waiting for the store
+MAX_DROPPED_IDS = 1 << 16  # requests the forward thread remembers as dropped, to skip their later pieces
 RADIX_CACHE_FIX = ("its hidden states were never computed: run the server with --disable-radix-cache, or send "
                    "each request a unique cache_salt")
 
@@ -73,6 +75,7 @@ class Assembler:
     def __init__(self):
         self._partial: dict[str, _Partial] = {}
         self._done: set[str] = set()
+        self._dropped: set[str] = set()  # requests dropped under backpressure: their later pieces are ignored
         self.refused: set[str] = set()
         self._warned = False
 
@@ -84,6 +87,10 @@ class Assembler:
             final: torch.Tensor) -> Completed | None:
         """Take a piece's rows (already sliced, owned by the caller); return the request once complete."""
         sample_id, start = piece.sample_id, piece.start
+        if sample_id in self._dropped:
+            if start > 0:
+                return None
+            self._dropped.discard(sample_id)  # sent again: a new prefill from its first token
         if sample_id in self._done or start >= prompt_length:
             return None
         keep = min(piece.length, prompt_length - start)
@@ -114,6 +121,19 @@ class Assembler:
         ids, a, f = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*partial.pieces))
         return Completed(sample_id, ids, a, f)
 
+    def drop(self, sample_id: str) -> bool:
+        """Forget a request's rows and ignore its later pieces (until it is prefilled again from its first
+        token); False if it was complete already."""
+        if sample_id in self._done:
+            return False
+        self._partial.pop(sample_id, None)
+        self._dropped.add(sample_id)
+        return True
+
+    def forget(self, sample_id: str) -> None:
+        """A completed request that was not stored after all: prefilled again, it is taken again."""
+        self._done.discard(sample_id)
+
     def _refuse(self, sample_id: str, why: str) -> None:
         self._partial.pop(sample_id, None)
         self.refused.add(sample_id)
@@ -122,6 +142,14 @@ class Assembler:
             log.warning("hsdata: not storing request %r: %s; %s (warned once)", sample_id, why, RADIX_CACHE_FIX)
         else:
             log.debug("hsdata: not storing request %r: %s", sample_id, why)
+
+
+@dataclass(frozen=True)
+class _Dropped:
+    """A forward the store had no room for: its requests are dropped, in order with the forwards around it."""
+
+    sample_ids: tuple[str, ...]
+    nbytes: int = 0
 
 
 @dataclass
@@ -154,7 +182,8 @@ class Capture:
 
     def __init__(self, writer: Writer, *, flush_interval_s: float = 5.0, max_staged_bytes: int = 4 << 30,
                  loss_masks: Mapping[str, Any] | None = None, copy_chunk_bytes: int = 8 << 20,
-                 reopen: Callable[[], Writer] | None = None):
+                 reopen: Callable[[], Writer] | None = None, on_backpressure: str = "block",
+                 max_wait_s: float | None = None):
         """``loss_masks`` gives samples their mask when the front end knows it (an in-process engine); the
         server hook does not, and its client adds masks to the store instead.
 
@@ -162,9 +191,20 @@ class Capture:
         samples it touches (those not yet committed, and those completed until the store takes writes again):
         the failed writer is aborted and ``reopen()`` (a writer of a fresh part) is tried after 1 s, backing off
         to 30 s, so capture resumes by itself; ``samples_failed`` counts what was lost. Without it (an
-        extraction that should stop at its first fault), a fault stops the capture."""
+        extraction that should stop at its first fault), a fault stops the capture.
+
+        Backpressure, once ``max_staged_bytes`` of rows wait for the store (it is slower than the model):
+        ``on_backpressure="block"`` makes the forward wait for room (nothing is lost), for at most ``max_wait_s``
+        if given; ``"drop"`` never makes it wait. A forward not staged drops its requests (their earlier and
+        later pieces too), counted in ``samples_dropped`` and logged once a minute at most."""
         if flush_interval_s <= 0 or max_staged_bytes <= 0 or copy_chunk_bytes <= 0:
             raise ValueError("flush_interval_s, max_staged_bytes and copy_chunk_bytes must be positive")
+        if on_backpressure not in BACKPRESSURE:
+            raise ValueError(f"on_backpressure must be one of {BACKPRESSURE}, got {on_backpressure!r}")
+        if max_wait_s is not None and not max_wait_s >= 0:
+            raise ValueError(f"max_wait_s must be None or >= 0, got {max_wait_s!r}")
+        self.on_backpressure = on_backpressure
+        self.max_wait_s = 0.0 if on_backpressure == "drop" else max_wait_s
         self.writer = writer
         self.loss_masks = loss_masks or {}
         self.flush_interval_s = flush_interval_s
@@ -172,16 +212,20 @@ class Capture:
         self.copy_chunk_bytes = copy_chunk_bytes
         self._fp8 = writer.spec.dtype if writer.spec.tensor("hidden_states").quantized else None
         self.assembler = Assembler()
-        self.samples_written = 0
-        self.samples_failed = 0
+        self.samples_written = 0  # added to a writer and not lost: committed, once close() returns
+        self.samples_failed = 0  # lost to write faults
+        self.samples_dropped = 0  # dropped under backpressure
+        self.peak_staged_bytes = 0  # the most host memory staged rows held at once
+        self._dropped: dict[str, None] = {}  # the forward thread's recently dropped requests, oldest first
         self._reopen = reopen
-        self._uncommitted = 0  # samples added to the writer since its last commit
+        self._added: list[str] = []  # samples added to the writer since capture's last flush of it
+        self._flushed = 0  # the writer's num_committed at that flush
         self._next_reopen = 0.0
         self._backoff = REOPEN_BACKOFF_S[0]
         self._faults = _FaultLog()
         self._cond = threading.Condition()
-        self._on_device: collections.deque[_Staged] = collections.deque()
-        self._staged: collections.deque[_Staged] = collections.deque()
+        self._on_device: collections.deque[_Staged | _Dropped] = collections.deque()
+        self._staged: collections.deque[_Staged | _Dropped] = collections.deque()
         self._staged_bytes = 0
         self._closing = False
         self._copied_all = False
@@ -205,13 +249,23 @@ class Capture:
         if self._error is not None or not pieces:
             return
         requests = list(range(len(pieces))) if requests is None else list(requests)
+        if self._dropped:  # the later pieces of dropped requests are not staged; a new prefill from 0 is
+            for p in pieces:
+                if p.start == 0:
+                    self._dropped.pop(p.sample_id, None)
+            kept = [(p, r) for p, r in zip(pieces, requests) if p.sample_id not in self._dropped]
+            if not kept:
+                return
+            pieces, requests = [p for p, _ in kept], [r for _, r in kept]
         rows = max(p.row + p.length for p in pieces)
         aux_parts = [aux] if isinstance(aux, torch.Tensor) else list(aux)
         width = sum(a.shape[-1] for a in aux_parts)
         if not torch.is_tensor(prompt_lengths):
             prompt_lengths = torch.tensor(list(prompt_lengths), dtype=torch.int64)
         nbytes = rows * (width + final.shape[-1]) * final.element_size() + rows * 8
-        self._reserve(nbytes)
+        if not self._reserve(nbytes):
+            self._drop(pieces, on_device=final.is_cuda)
+            return
         if final.is_cuda:
             staged = _Staged(pieces, requests, prompt_lengths.clone(), input_ids[:rows], final[:rows],
                              [a[:rows] for a in aux_parts], nbytes, ready=torch.cuda.Event())
@@ -240,7 +294,7 @@ class Capture:
                         if not self._on_device:
                             return
                         on_device = self._on_device.popleft()
-                    staged = self._copy_paced(on_device, stream)
+                    staged = on_device if isinstance(on_device, _Dropped) else self._copy_paced(on_device, stream)
                     with self._cond:
                         self._staged.append(staged)
                         self._cond.notify_all()
@@ -286,15 +340,35 @@ class Capture:
                                                                    self._fp8)
         return rows
 
-    def _reserve(self, nbytes: int) -> None:
+    def _reserve(self, nbytes: int) -> bool:
+        """Room for ``nbytes`` more staged rows: waits as ``on_backpressure`` and ``max_wait_s`` say; False if
+        there was none in time."""
         with self._cond:
             waited = time.monotonic()
+            deadline = None if self.max_wait_s is None else waited + self.max_wait_s
             while self._staged_bytes and self._staged_bytes + nbytes > self.max_staged_bytes:
-                if not self._cond.wait(timeout=10.0):
+                left = 10.0 if deadline is None else min(10.0, deadline - time.monotonic())
+                if left <= 0:
+                    return False
+                if not self._cond.wait(timeout=left) and left == 10.0:
                     log.warning("hsdata: %.0f s waiting for the store to take %.1f GiB of staged hidden states: "
                                 "the disk is slower than the model", time.monotonic() - waited,
                                 self._staged_bytes / 2**30)
             self._staged_bytes += nbytes
+            self.peak_staged_bytes = max(self.peak_staged_bytes, self._staged_bytes)
+            return True
+
+    def _drop(self, pieces: Sequence[Piece], on_device: bool) -> None:
+        """Drop a forward's requests: remembered here to skip their later pieces, and sent in order with the
+        forwards before it so that the capture thread drops their earlier pieces."""
+        sample_ids = tuple(dict.fromkeys(p.sample_id for p in pieces))
+        for sample_id in sample_ids:
+            self._dropped[sample_id] = None
+        while len(self._dropped) > MAX_DROPPED_IDS:  # a forgotten one's late pieces are ignored by the assembler
+            del self._dropped[next(iter(self._dropped))]
+        with self._cond:
+            (self._on_device if on_device else self._staged).append(_Dropped(sample_ids))
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Write what is staged, commit, and stop. Requests still incomplete are dropped (logged)."""
@@ -334,7 +408,7 @@ class Capture:
                     if staged is None and self._copied_all:
                         return
                 if staged is not None:
-                    unflushed += self._write(staged)
+                    unflushed += self._write(staged) if isinstance(staged, _Staged) else self._write_dropped(staged)
                     with self._cond:
                         self._staged_bytes -= staged.nbytes
                         self._cond.notify_all()
@@ -367,9 +441,10 @@ class Capture:
             if done is None:
                 continue
             writer = self._writer()
-            if writer is None:  # the store takes no writes yet: the sample fails
+            if writer is None:  # the store takes no writes yet: the sample fails (sent again, it is taken)
                 self._faults.add("the store takes no writes yet", 1, level=logging.WARNING)
                 self.samples_failed += 1
+                self.assembler.forget(done.sample_id)
                 continue
             try:
                 writer.add(done.sample_id, input_ids=done.input_ids, loss_mask=self.loss_masks.get(done.sample_id),
@@ -380,12 +455,20 @@ class Capture:
             except Exception as e:  # noqa: BLE001 - a write fault: with reopen, it fails these samples only
                 if self._reopen is None:
                     raise
-                self._broken(e, also_lost=1)
+                self._broken(e, also_lost=done.sample_id)
                 continue
-            self._uncommitted += 1
+            self._added.append(done.sample_id)
             self.samples_written += 1
             written += 1
         return written
+
+    def _write_dropped(self, dropped: _Dropped) -> int:
+        count = sum(self.assembler.drop(sample_id) for sample_id in dropped.sample_ids)
+        self.samples_dropped += count
+        self._faults.add(f"the store is slower than the model: requests dropped (on_backpressure="
+                         f"{self.on_backpressure!r}, max_staged_bytes {self.max_staged_bytes})", count,
+                         level=logging.WARNING)
+        return 0
 
     def _flush(self) -> None:
         if self.writer is None:  # it failed since: what it held is counted failed already
@@ -397,7 +480,8 @@ class Capture:
                 raise
             self._broken(e)
             return
-        self._uncommitted = 0
+        self._added.clear()
+        self._flushed = self.writer.num_committed
 
     def _writer(self) -> Writer | None:
         """The writer, or after a fault a fresh one once the store takes writes again (None until then)."""
@@ -415,14 +499,19 @@ class Capture:
                          "sample(s) failed in all", logging.WARNING)
         return self.writer
 
-    def _broken(self, error: BaseException, also_lost: int = 0) -> None:
+    def _broken(self, error: BaseException, also_lost: str | None = None) -> None:
         """A write fault: the writer's uncommitted samples fail (and ``also_lost``, the one being added), it is
-        aborted, and a fresh one follows once the store takes writes again."""
-        lost = self._uncommitted + also_lost
-        self.samples_written -= self._uncommitted
-        self.samples_failed += lost
-        self._uncommitted = 0
-        self._faults.add(_fault_cause(error), lost, repr(error))
+        aborted, and a fresh one follows once the store takes writes again. The assembler forgets the failed
+        samples, so that the same requests sent again (the client's rerun, a re-prefill) are stored."""
+        uncommitted = self._added[max(0, self.writer.num_committed - self._flushed):]  # commits keep add order
+        lost = uncommitted + ([also_lost] if also_lost is not None else [])
+        self.samples_written -= len(uncommitted)
+        self.samples_failed += len(lost)
+        for sample_id in lost:
+            self.assembler.forget(sample_id)
+        self._added.clear()
+        self._flushed = 0
+        self._faults.add(_fault_cause(error), len(lost), repr(error))
         try:
             self.writer.abort()
         except Exception:  # noqa: BLE001 - it has failed already; nothing it wrote after its last commit shows
@@ -468,6 +557,12 @@ def _fault_cause(error: BaseException) -> str:
         if inner is None:
             return f"writes fail: {type(seen).__name__}"
         seen = inner
+
+
+def writer_queue_bytes(max_staged_bytes: int) -> int:
+    """The writer's queue for a capture that stages ``max_staged_bytes``: a quarter of it, at most the writer's
+    default (1 GiB), so that the host memory capture holds stays within 1.25x ``max_staged_bytes``."""
+    return max(1, min(DEFAULT_MAX_PENDING_BYTES, max_staged_bytes // 4))
 
 
 def provenance(engine: str, engine_version: str) -> dict[str, str]:
