@@ -125,6 +125,10 @@ class Writer:
         sample = inputs.prepare(self.spec, sample_id, input_ids=input_ids, loss_mask=loss_mask,
                                 aux_hidden_states=aux_hidden_states, hidden_states=hidden_states, meta=meta)
         if sample_id in self._ids:
+            try:
+                require_root(self._part.storage, self.part)  # a removed store is a fault, not a duplicate
+            except FileNotFoundError as e:
+                raise WriterError(str(e)) from e
             raise DuplicateSampleError(f"sample {sample_id!r}: already in this store (committed or added earlier)")
         self._ids.add(sample_id)
         self._queue.put(("sample", sample), sample.nbytes)
@@ -432,12 +436,17 @@ class _PartWriter:
         for task in tasks:
             task.result()
         self._array_tokens = max(tokens, self._array_tokens)
-        if not self.storage.exists(ROOT_METADATA):  # the folder removed under us: storage would recreate its path
-            raise FileNotFoundError(errno.ENOENT, f"{self.storage.describe(ROOT_METADATA)} is gone: the store was "
-                                    f"removed while part {self.part} was written")
+        require_root(self.storage, self.part)  # the folder removed under us: storage would recreate its path
         manifest.write(self.storage, self.part, self._seq, rows)
         self._seq += 1
         self.num_committed += len(rows)
+
+
+def require_root(storage: Storage, part: str) -> None:
+    """FileNotFoundError unless the store's root document is still there."""
+    if not storage.exists(ROOT_METADATA):
+        raise FileNotFoundError(errno.ENOENT, f"{storage.describe(ROOT_METADATA)} is gone: the store was removed "
+                                f"while part {part} was written")
 
 
 @dataclass

@@ -14,7 +14,6 @@ scheduler (each DP rank, each server) writes its own part of the store.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ from hsdata.extract.capture import Capture, Piece, vocab_size, writer_queue_byte
 from hsdata.extract.client import RID_PREFIX
 from hsdata.dtypes import hidden_dtype
 from hsdata.layout import check_provenance
+
+from . import metrics
 
 log = logging.getLogger("hsdata.server_hook")
 SGLANG_HEALTH_CHECK = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX: rids of its health probes
@@ -179,8 +180,12 @@ class PrefillHook:
         writer = new_writer()
         capture = Capture(writer, flush_interval_s=self.config.flush_interval_s,
                           max_staged_bytes=self.config.max_staged_bytes, reopen=new_writer,
-                          on_backpressure=self.config.on_backpressure, max_wait_s=self.config.max_wait_s)
-        atexit.register(self.close)
+                          on_backpressure=self.config.on_backpressure, max_wait_s=self.config.max_wait_s,
+                          events=metrics.capture_events())
+        # At exit, before the interpreter's teardown: concurrent.futures refuses new work from its own exit
+        # callback on, and the writer's final commit runs on its pools. Threading's exit callbacks run in reverse
+        # order of registration, so this one runs before that one (atexit callbacks would run after it).
+        threading._register_atexit(self.close)
         log.info("hsdata: storing prefill hidden states in %s (part %s, computed in %s, stored as %s)",
                  self.config.store, writer.part, writer.spec.compute_dtype, writer.spec.dtype)
         return capture

@@ -52,7 +52,8 @@ class Server:
     """One server in its own process group, its log in ``log_path``; a context manager that kills it."""
 
     def __init__(self, model: Path, store: Path, log_path: Path, *, dtype: str = "bfloat16",
-                 hook_config: dict | None = None, extra: list[str] = (), env: dict | None = None):
+                 hook_config: dict | None = None, extra: list[str] = (), env: dict | None = None,
+                 hooked: bool = True):
         self.model, self.store, self.log_path = model, store, log_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -65,7 +66,7 @@ class Server:
             "--port", str(self.port), "--dtype", dtype, "--max-total-tokens", "16384", "--sleep-on-idle",
             "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
             "--return-aux-hidden-state-layer-ids", *map(str, AUX_LAYER_IDS), "--disable-radix-cache",
-            "--disable-prefill-cuda-graph", "--forward-hooks", json.dumps([hook]), *extra,
+            "--disable-prefill-cuda-graph", *(["--forward-hooks", json.dumps([hook])] if hooked else []), *extra,
         ]
         root = str(Path(__file__).parents[1])
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUB), root]), **(env or {})}

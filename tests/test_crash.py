@@ -133,3 +133,14 @@ def test_a_store_removed_under_its_writer_fails_the_next_commit_and_nothing_come
             w.add("s1", **make_sample(40, seed=1))
             w.flush()
     assert not list(store.rglob("*.parquet"))  # no manifest committed after the removal
+
+
+def test_a_sample_added_again_after_its_store_was_removed_is_a_fault_not_a_duplicate(tmp_path):
+    store = tmp_path / "store"
+    w = hsdata.create(str(store), **SPEC, **LAYOUT)
+    w.add("s0", **make_sample(40, seed=0))
+    w.flush()
+    shutil.rmtree(store)
+    with pytest.raises(hsdata.WriterError, match="the store was removed while part"):
+        w.add("s0", **make_sample(40, seed=0))  # what a client resends into the store made again
+    w.abort()

@@ -419,10 +419,10 @@ def test_a_store_slower_than_the_model_blocks_or_drops_as_configured(s3, proxy, 
     assert 0 < capture.peak_staged_bytes <= capture.max_staged_bytes
 
 
-def test_a_dropped_or_failed_request_sent_again_is_taken_again(caplog):
+def test_a_dropped_or_completed_request_sent_again_is_assembled_again(caplog):
     """The assembler's bookkeeping under faults: a dropped request's later chunks are ignored without the
-    radix-cache warning, and the same request sent again (the client's retry) is assembled anew; a completed
-    request whose write failed is forgotten, so that its retry is taken too."""
+    radix-cache warning, and the same request sent again (the client's retry) is assembled anew; so is a
+    completed one (its write may have failed): the writer refuses a duplicate of what its store holds."""
     assembler = Assembler()
     rows = make_sample(8, seed=0)
 
@@ -432,11 +432,9 @@ def test_a_dropped_or_failed_request_sent_again_is_taken_again(caplog):
 
     with caplog.at_level(logging.WARNING, logger="hsdata.extract.capture"):
         assert piece(0, 4) is None
-        assert assembler.drop("r")
+        assembler.drop("r")
         assert piece(4, 4) is None and assembler.in_progress == 0  # the rest of the dropped prefill
         assert piece(0, 4) is None and piece(4, 4) is not None  # sent again: whole
-        assert piece(0, 8) is None  # a finished request's re-prefill is not stored twice ...
-        assembler.forget("r")
-        done = piece(0, 8)  # ... unless its write failed
+        done = piece(0, 8)
     assert done is not None and torch.equal(done.hidden_states, rows["hidden_states"])
     assert not caplog.records

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from .. import quantize
@@ -67,14 +68,15 @@ class Assembler:
     """Reassembles requests from pieces in arrival order; pure, single-threaded, host tensors only.
 
     A request is complete when positions ``[0, prompt_length)`` are covered. A piece starting at 0 again (a
-    retracted request prefilled anew) replaces what was there, a finished request's later rows (re-prefills,
-    decode, generated tokens) are ignored, and a request whose first piece starts past 0 (its prefix came from
-    the prefix cache) or leaves a gap is refused: its states were never computed.
+    retracted request prefilled anew) replaces what was there, rows past the prompt (decode, generated tokens)
+    are ignored, and a request whose first piece starts past 0 (its prefix came from the prefix cache) or leaves
+    a gap is refused: its states were never computed. Completed requests are not remembered: the same request
+    again (a client's retry, a re-prefill after it finished) completes again, and the writer, which knows what
+    its store holds, refuses a duplicate.
     """
 
     def __init__(self):
         self._partial: dict[str, _Partial] = {}
-        self._done: set[str] = set()
         self._dropped: set[str] = set()  # requests dropped under backpressure: their later pieces are ignored
         self.refused: set[str] = set()
         self._warned = False
@@ -91,7 +93,7 @@ class Assembler:
             if start > 0:
                 return None
             self._dropped.discard(sample_id)  # sent again: a new prefill from its first token
-        if sample_id in self._done or start >= prompt_length:
+        if start >= prompt_length:
             return None
         keep = min(piece.length, prompt_length - start)
         partial = self._partial.get(sample_id)
@@ -117,22 +119,14 @@ class Assembler:
         if partial.filled < prompt_length:
             return None
         del self._partial[sample_id]
-        self._done.add(sample_id)
-        ids, a, f = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*partial.pieces))
+        ids, a, f = (copy_rows(parts, axis=0) if len(parts) > 1 else parts[0] for parts in zip(*partial.pieces))
         return Completed(sample_id, ids, a, f)
 
-    def drop(self, sample_id: str) -> bool:
-        """Forget a request's rows and ignore its later pieces (until it is prefilled again from its first
-        token); False if it was complete already."""
-        if sample_id in self._done:
-            return False
+    def drop(self, sample_id: str) -> None:
+        """Forget a request's rows and ignore its later pieces, until it is prefilled again from its first
+        token."""
         self._partial.pop(sample_id, None)
         self._dropped.add(sample_id)
-        return True
-
-    def forget(self, sample_id: str) -> None:
-        """A completed request that was not stored after all: prefilled again, it is taken again."""
-        self._done.discard(sample_id)
 
     def _refuse(self, sample_id: str, why: str) -> None:
         self._partial.pop(sample_id, None)
@@ -142,6 +136,19 @@ class Assembler:
             log.warning("hsdata: not storing request %r: %s; %s (warned once)", sample_id, why, RADIX_CACHE_FIX)
         else:
             log.debug("hsdata: not storing request %r: %s", sample_id, why)
+
+
+class CaptureEvents:
+    """What a capture reports as it goes (the server hook publishes it on SGLang's /metrics); no-ops here."""
+
+    def committed(self, samples: int) -> None:
+        """``samples`` more are committed."""
+
+    def failed(self, cause: str, samples: int) -> None:
+        """``samples`` were lost to a write fault of this cause (``_fault_cause``'s words)."""
+
+    def dropped(self, samples: int) -> None:
+        """``samples`` were dropped under backpressure."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +190,7 @@ class Capture:
     def __init__(self, writer: Writer, *, flush_interval_s: float = 5.0, max_staged_bytes: int = 4 << 30,
                  loss_masks: Mapping[str, Any] | None = None, copy_chunk_bytes: int = 8 << 20,
                  reopen: Callable[[], Writer] | None = None, on_backpressure: str = "block",
-                 max_wait_s: float | None = None):
+                 max_wait_s: float | None = None, events: CaptureEvents | None = None):
         """``loss_masks`` gives samples their mask when the front end knows it (an in-process engine); the
         server hook does not, and its client adds masks to the store instead.
 
@@ -196,7 +203,9 @@ class Capture:
         Backpressure, once ``max_staged_bytes`` of rows wait for the store (it is slower than the model):
         ``on_backpressure="block"`` makes the forward wait for room (nothing is lost), for at most ``max_wait_s``
         if given; ``"drop"`` never makes it wait. A forward not staged drops its requests (their earlier and
-        later pieces too), counted in ``samples_dropped`` and logged once a minute at most."""
+        later pieces too), counted in ``samples_dropped`` and logged once a minute at most.
+
+        ``events`` hears of commits, failures and drops as they happen."""
         if flush_interval_s <= 0 or max_staged_bytes <= 0 or copy_chunk_bytes <= 0:
             raise ValueError("flush_interval_s, max_staged_bytes and copy_chunk_bytes must be positive")
         if on_backpressure not in BACKPRESSURE:
@@ -220,6 +229,9 @@ class Capture:
         self._reopen = reopen
         self._added: list[str] = []  # samples added to the writer since capture's last flush of it
         self._flushed = 0  # the writer's num_committed at that flush
+        self._reported = 0  # the writer's num_committed last told to events
+        self._last_fault = "writes fail"  # the cause of the last write fault
+        self.events = events or CaptureEvents()
         self._next_reopen = 0.0
         self._backoff = REOPEN_BACKOFF_S[0]
         self._faults = _FaultLog()
@@ -393,6 +405,8 @@ class Capture:
                 if self._reopen is None:
                     raise
                 self._broken(e)
+            else:
+                self._report_committed()
         self._faults.flush(force=True)
 
     def _run(self) -> None:
@@ -435,22 +449,22 @@ class Capture:
         for piece, request in zip(staged.pieces, staged.requests):
             prompt_length = lengths[request]
             rows = slice(piece.row, piece.row + piece.length)
-            aux = torch.cat([a[rows] for a in staged.aux], dim=-1)  # a copy: the staging buffer is reused
-            done = self.assembler.add(piece, int(prompt_length), staged.input_ids[rows].clone(), aux,
-                                      staged.final[rows].clone())
+            aux = copy_rows([a[rows] for a in staged.aux], axis=-1)  # copies: the staging buffers are reused
+            done = self.assembler.add(piece, int(prompt_length), copy_rows([staged.input_ids[rows]]), aux,
+                                      copy_rows([staged.final[rows]]))
             if done is None:
                 continue
             writer = self._writer()
             if writer is None:  # the store takes no writes yet: the sample fails (sent again, it is taken)
                 self._faults.add("the store takes no writes yet", 1, level=logging.WARNING)
                 self.samples_failed += 1
-                self.assembler.forget(done.sample_id)
+                self.events.failed(self._last_fault, 1)
                 continue
             try:
                 writer.add(done.sample_id, input_ids=done.input_ids, loss_mask=self.loss_masks.get(done.sample_id),
                            aux_hidden_states=done.aux_hidden_states, hidden_states=done.hidden_states)
             except InvalidSampleError as e:  # e.g. a request id already committed: that sample stays as it was
-                log.warning("hsdata: request not stored: %s", e)
+                self._faults.add(f"requests not stored: {type(e).__name__}", 0, str(e), logging.WARNING)
                 continue
             except Exception as e:  # noqa: BLE001 - a write fault: with reopen, it fails these samples only
                 if self._reopen is None:
@@ -463,8 +477,11 @@ class Capture:
         return written
 
     def _write_dropped(self, dropped: _Dropped) -> int:
-        count = sum(self.assembler.drop(sample_id) for sample_id in dropped.sample_ids)
+        for sample_id in dropped.sample_ids:
+            self.assembler.drop(sample_id)
+        count = len(dropped.sample_ids)
         self.samples_dropped += count
+        self.events.dropped(count)
         self._faults.add(f"the store is slower than the model: requests dropped (on_backpressure="
                          f"{self.on_backpressure!r}, max_staged_bytes {self.max_staged_bytes})", count,
                          level=logging.WARNING)
@@ -482,6 +499,13 @@ class Capture:
             return
         self._added.clear()
         self._flushed = self.writer.num_committed
+        self._report_committed()
+
+    def _report_committed(self) -> None:
+        committed = self.writer.num_committed
+        if committed > self._reported:
+            self.events.committed(committed - self._reported)
+            self._reported = committed
 
     def _writer(self) -> Writer | None:
         """The writer, or after a fault a fresh one once the store takes writes again (None until then)."""
@@ -501,17 +525,17 @@ class Capture:
 
     def _broken(self, error: BaseException, also_lost: str | None = None) -> None:
         """A write fault: the writer's uncommitted samples fail (and ``also_lost``, the one being added), it is
-        aborted, and a fresh one follows once the store takes writes again. The assembler forgets the failed
-        samples, so that the same requests sent again (the client's rerun, a re-prefill) are stored."""
+        aborted, and a fresh one follows once the store takes writes again."""
         uncommitted = self._added[max(0, self.writer.num_committed - self._flushed):]  # commits keep add order
         lost = uncommitted + ([also_lost] if also_lost is not None else [])
         self.samples_written -= len(uncommitted)
         self.samples_failed += len(lost)
-        for sample_id in lost:
-            self.assembler.forget(sample_id)
+        self._report_committed()
         self._added.clear()
-        self._flushed = 0
-        self._faults.add(_fault_cause(error), len(lost), repr(error))
+        self._flushed = self._reported = 0
+        self._last_fault = _fault_cause(error)
+        self.events.failed(self._last_fault, len(lost))
+        self._faults.add(self._last_fault, len(lost), repr(error))
         try:
             self.writer.abort()
         except Exception:  # noqa: BLE001 - it has failed already; nothing it wrote after its last commit shows
@@ -557,6 +581,19 @@ def _fault_cause(error: BaseException) -> str:
         if inner is None:
             return f"writes fail: {type(seen).__name__}"
         seen = inner
+
+
+def copy_rows(tensors: Sequence[torch.Tensor], axis: int = -1) -> torch.Tensor:
+    """Host tensors joined along ``axis`` into a new one (one tensor: copied), by numpy. A torch copy on this
+    background thread would start an OpenMP team of its own, whose spinning workers take the cores of the
+    server's compute: a CPU server's throughput fell to 0.56x with torch copies here (benchmarks/RESULTS.md)."""
+    dtype = tensors[0].dtype
+    bits = [t.view(_SAME_WIDTH[t.element_size()]).numpy() if t.is_floating_point() else t.numpy() for t in tensors]
+    joined = np.concatenate(bits, axis=axis) if len(bits) > 1 else bits[0].copy()
+    return torch.from_numpy(joined).view(dtype)
+
+
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # numpy views of any dtype's bits
 
 
 def writer_queue_bytes(max_staged_bytes: int) -> int:
