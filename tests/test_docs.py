@@ -53,7 +53,8 @@ def test_block_runs(lang, code, demo_store, tmp_path):
 
 def test_the_readmes_show_example_is_what_the_command_prints(demo_store):
     """README's ``hsdata show demo-store 3`` against a real run: every line the same, but the part's name (a
-    timestamp) and the sparklines; numbers to 0.5% (a CPU's float sums may differ in the last digit)."""
+    timestamp) and the sparklines; numbers to one bf16 ulp (2**-7 relative): another CPU's kernels may round the
+    model's last bit the other way (a final-state minimum of -4.0938 on one VM, -4.125 in README)."""
     text = (ROOT / "README.md").read_text()
     block = text[text.index("$ hsdata show demo-store 3\n") :].split("\n", 1)[1].split("```", 1)[0]
     run = subprocess.run([sys.executable, "-m", "hsdata", "show", str(demo_store), "3"], capture_output=True,
@@ -66,6 +67,6 @@ def test_the_readmes_show_example_is_what_the_command_prints(demo_store):
             w_fields, g_fields = w.split(), g.split()
             assert w_fields[:-6] == g_fields[:-6] and len(w_fields) == len(g_fields), (w, g)
             for a, b in zip(w_fields[-6:-1], g_fields[-6:-1]):
-                assert float(a) == pytest.approx(float(b), rel=5e-3, abs=1e-6), (w, g)
+                assert float(a) == pytest.approx(float(b), rel=2**-7, abs=1e-6), (w, g)  # a bf16 ulp
         else:
             assert part.sub("part P", w) == part.sub("part P", g)

@@ -150,7 +150,11 @@ def hook_counters(server: str, timeout_s: float = 10.0) -> dict[str, Any] | None
         return None
     counters: dict[str, Any] = {"committed": 0.0, "dropped": 0.0, "failed": {}}
     found = False
-    for family in text_string_to_metric_families(text):
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:  # not prometheus text: a server (or a stand-in) that answers /metrics with something else
+        return None
+    for family in families:
         for sample in family.samples:
             if not sample.name.endswith("_total"):
                 continue
