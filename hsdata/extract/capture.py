@@ -227,8 +227,7 @@ class Capture:
         self.peak_staged_bytes = 0  # the most host memory staged rows held at once
         self._dropped: dict[str, None] = {}  # the forward thread's recently dropped requests, oldest first
         self._reopen = reopen
-        self._added: list[str] = []  # samples added to the writer since capture's last flush of it
-        self._flushed = 0  # the writer's num_committed at that flush
+        self._added = 0  # samples added to the current writer (those past its num_committed are uncommitted)
         self._reported = 0  # the writer's num_committed last told to events
         self._last_fault = "writes fail"  # the cause of the last write fault
         self.events = events or CaptureEvents()
@@ -469,9 +468,9 @@ class Capture:
             except Exception as e:  # noqa: BLE001 - a write fault: with reopen, it fails these samples only
                 if self._reopen is None:
                     raise
-                self._broken(e, also_lost=done.sample_id)
+                self._broken(e, adding=True)
                 continue
-            self._added.append(done.sample_id)
+            self._added += 1
             self.samples_written += 1
             written += 1
         return written
@@ -497,8 +496,6 @@ class Capture:
                 raise
             self._broken(e)
             return
-        self._added.clear()
-        self._flushed = self.writer.num_committed
         self._report_committed()
 
     def _report_committed(self) -> None:
@@ -523,19 +520,18 @@ class Capture:
                          "sample(s) failed in all", logging.WARNING)
         return self.writer
 
-    def _broken(self, error: BaseException, also_lost: str | None = None) -> None:
-        """A write fault: the writer's uncommitted samples fail (and ``also_lost``, the one being added), it is
-        aborted, and a fresh one follows once the store takes writes again."""
-        uncommitted = self._added[max(0, self.writer.num_committed - self._flushed):]  # commits keep add order
-        lost = uncommitted + ([also_lost] if also_lost is not None else [])
-        self.samples_written -= len(uncommitted)
-        self.samples_failed += len(lost)
+    def _broken(self, error: BaseException, adding: bool = False) -> None:
+        """A write fault: the writer's uncommitted samples fail (and, when ``adding``, the one being added), it
+        is aborted, and a fresh one follows once the store takes writes again."""
+        uncommitted = self._added - self.writer.num_committed
+        lost = uncommitted + adding
+        self.samples_written -= uncommitted
+        self.samples_failed += lost
         self._report_committed()
-        self._added.clear()
-        self._flushed = self._reported = 0
+        self._added = self._reported = 0
         self._last_fault = _fault_cause(error)
-        self.events.failed(self._last_fault, len(lost))
-        self._faults.add(self._last_fault, len(lost), repr(error))
+        self.events.failed(self._last_fault, lost)
+        self._faults.add(self._last_fault, lost, repr(error))
         try:
             self.writer.abort()
         except Exception:  # noqa: BLE001 - it has failed already; nothing it wrote after its last commit shows
