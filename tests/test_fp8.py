@@ -315,7 +315,7 @@ def test_extract_stores_fp8_as_converting_its_bf16_store_does(tmp_path):
                                               ("hsdata", True)])
 def test_a_batch_read_as_stored_and_dequantized_after_is_the_batch_read_dequantized(tmp_path, samples, convention,
                                                                                     pack):
-    from hsdata.torch.batches import Layout, dequantized
+    from hsdata.torch.batches import Layout, on_device
 
     dataset = Eagle3Dataset(write_fp8(tmp_path / "s", samples))
     layout = Layout(convention, pack=pack)
@@ -324,7 +324,7 @@ def test_a_batch_read_as_stored_and_dequantized_after_is_the_batch_read_dequanti
     stored = dataset.start_batch(positions, layout, lambda n: torch.full((n,), 7, dtype=torch.uint8),
                                  stored=True).result().stored()
     assert stored["tensors"]["aux_hidden_states"].dtype == torch.uint8  # half the bytes cross to the device
-    later = dequantized(stored, dataset.spec)
+    later = on_device(stored, dataset.spec)
     flat_direct = {**direct, **direct.get("base_model_outputs", {})}
     flat_later = {**later, **later.get("base_model_outputs", {})}
     for key, value in flat_direct.items():

@@ -15,12 +15,13 @@ import torch
 from torch.utils.data import DataLoader
 
 import hsdata
-from conftest import make_sample, write_store
+from conftest import AUX, HIDDEN, make_sample, write_store
 from hsdata.io import segments
 from hsdata.layout import shard_key
 from hsdata.shard import token_ranges
 from hsdata.torch import (Eagle3Dataset, Loader, Mixture, ShardAwareSampler, TokenBudgetBatchSampler,
                           collate_eagle3, pack_eagle3, to_device)
+from hsdata.torch.batches import Layout, on_device
 
 LENGTHS = [3 + (i * 53) % 120 for i in range(96)]
 MAX_LENGTH = 100
@@ -113,6 +114,23 @@ def test_loader_batches_equal_collating_the_samples(store, layout, workers):
     order = [dataset.sample_ids[i] for i in ShardAwareSampler(dataset, seed=4)]  # every sample once, in order
     for k, batch in enumerate(batches):
         assert_equal(batch, reference(order[k * batch_size : (k + 1) * batch_size], samples, options), f"batch {k}")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_batch_crosses_to_the_gpu_without_its_padding_and_is_padded_there(store, layout):
+    """What the Loader sends a CUDA device (``stored=True``) holds each sample's states once, end to end; on the
+    device (here the CPU stands in) :func:`on_device` pads them into the batch collating the samples gives."""
+    url, samples = store
+    options, batch_size = LAYOUTS[layout]
+    dataset = Eagle3Dataset(url, max_length=MAX_LENGTH)
+    positions = list(range(7, 7 + batch_size))
+    garbage = lambda n: torch.full((n,), 0xFF, dtype=torch.uint8)  # recycled memory: padding is written, not assumed
+    crossing = dataset.start_batch(positions, Layout(**options), garbage, stored=True).result().stored()
+    tokens = sum(int(dataset.lengths[i]) for i in positions)
+    for name, width in (("aux_hidden_states", len(AUX) * HIDDEN), ("hidden_states", HIDDEN)):
+        assert crossing["tensors"][name].numel() == tokens * width, name
+    ids = [dataset.sample_ids[i] for i in positions]
+    assert_equal(on_device(crossing, dataset.spec), reference(ids, samples, options))
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -84,13 +84,15 @@ class Entry:
 
 @dataclass(frozen=True)
 class Plan:
-    """One batch: its samples' lengths, where each sample's tokens start in the flattened token axis, and every
-    tensor's place in the block."""
+    """One batch: its samples' lengths, where each sample's tokens start in the flattened token axis (of the token
+    tensors, and of the hidden states: the same unless ``dense``), and every tensor's place in the block."""
 
     layout: Layout
     lengths: tuple[int, ...]
     width: int  # tokens per row: the padded width, or every sample's tokens when packed
     starts: tuple[int, ...]
+    hidden_starts: tuple[int, ...]
+    dense: bool  # the hidden states end to end in one row, without padding (:func:`on_device` pads them)
     entries: dict[str, Entry]
     nbytes: int
 
@@ -104,21 +106,25 @@ class Plan:
         return self.starts[b] + (self.lengths[b] if self.layout.pack else self.width)
 
 
-def plan(layout: Layout, hidden: Hidden, lengths: Sequence[int]) -> Plan:
-    """The block layout of a batch of samples of ``lengths`` tokens (each >= 1) with ``hidden`` states."""
+def plan(layout: Layout, hidden: Hidden, lengths: Sequence[int], *, dense: bool = False) -> Plan:
+    """The block layout of a batch of samples of ``lengths`` tokens (each >= 1) with ``hidden`` states;
+    ``dense``: the hidden states end to end in one row (a batch crossing to a GPU, padded there), the token
+    tensors laid out as always."""
     lengths = tuple(int(n) for n in lengths)
     if not lengths or min(lengths) < 1:
         raise ValueError(f"a batch needs samples of at least one token, got lengths {list(lengths)}")
+    packed_starts = tuple(sum(lengths[:b]) for b in range(len(lengths)))
     if layout.pack:
-        width, rows = sum(lengths), 1
-        starts = tuple(sum(lengths[:b]) for b in range(len(lengths)))
+        width, rows, starts = sum(lengths), 1, packed_starts
     else:
         multiple = layout.pad_to_multiple_of
         width, rows = -(-max(lengths) // multiple) * multiple, len(lengths)
         starts = tuple(b * width for b in range(rows))
+    dense = dense and not layout.pack and (rows, width) != (1, lengths[0])  # (else padded is dense already)
+    hidden_rows, hidden_width = (1, sum(lengths)) if dense else (rows, width)
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-        "aux_hidden_states": (hidden.dtype, (rows, width, hidden.aux_width)),
-        "hidden_states": (hidden.dtype, (rows, width, hidden.width)),
+        "aux_hidden_states": (hidden.dtype, (hidden_rows, hidden_width, hidden.aux_width)),
+        "hidden_states": (hidden.dtype, (hidden_rows, hidden_width, hidden.width)),
         **{name: (torch.int64, (rows, width)) for name in TOKEN_INTS},
     }
     if layout.convention == "modelopt":
@@ -130,7 +136,7 @@ def plan(layout: Layout, hidden: Hidden, lengths: Sequence[int]) -> Plan:
     for name, (dtype, shape) in shapes.items():
         entries[name] = Entry(offset, dtype, shape)
         offset += -(-entries[name].nbytes // ALIGN) * ALIGN
-    return Plan(layout, lengths, width, starts, entries, offset)
+    return Plan(layout, lengths, width, starts, packed_starts if dense else starts, dense, entries, offset)
 
 
 def views(plan: Plan, block: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -149,7 +155,7 @@ def flat(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def hidden_rows(plan: Plan, tensors: dict[str, torch.Tensor], b: int) -> dict[str, torch.Tensor]:
     """Where sample ``b``'s hidden states go: its rows of ``aux_hidden_states`` and ``hidden_states``."""
-    start, n = plan.starts[b], plan.lengths[b]
+    start, n = plan.hidden_starts[b], plan.lengths[b]
     return {name: tensors[name].flatten(0, 1)[start : start + n] for name in HIDDEN}
 
 
@@ -164,14 +170,14 @@ def fill_row(plan: Plan, rows: dict[str, torch.Tensor], b: int, input_ids: torch
     rows["attention_mask"][start : start + n] = 1
     torch.arange(n, out=rows["position_ids"][start : start + n])
     for name, value in (hidden or {}).items():
-        rows[name][start : start + n] = value[:n]
+        rows[name][plan.hidden_starts[b] : plan.hidden_starts[b] + n] = value[:n]
     if plan.layout.convention == "specforge":
         rows["loss_mask"][start + n - 1] = 0  # its target lies past the sample's end
     if "labels" in rows:
         rows["labels"][start : start + n - 1] = rows["input_ids"][start + 1 : start + n]
         rows["labels"][start + n - 1 : end] = IGNORE_INDEX
     if end > start + n:
-        for name in PER_TOKEN:
+        for name in TOKEN_INTS if plan.dense else PER_TOKEN:
             rows[name][start + n : end] = 0
 
 
@@ -197,24 +203,39 @@ class Built:
         return assemble(self.plan.layout.convention, self.tensors, self.sample_ids, self.metas)
 
     def stored(self) -> dict[str, Any]:
-        """The batch before its states are dequantized and laid out (:func:`dequantized` does both)."""
-        return {"convention": self.plan.layout.convention, "tensors": self.tensors, "sample_ids": self.sample_ids,
-                "metas": self.metas}
+        """The batch as it crosses to a GPU, before its states are dequantized, padded and laid out there
+        (:func:`on_device` does all three)."""
+        return {"convention": self.plan.layout.convention, "tensors": self.tensors, "lengths": list(self.plan.lengths),
+                "sample_ids": self.sample_ids, "metas": self.metas}
 
 
-def dequantized(built: dict[str, Any], spec: StoreSpec) -> dict[str, Any]:
-    """A batch read as the store holds it (``{"convention", "tensors", "sample_ids", "metas"}``, its hidden
-    states fp8 rows: :meth:`Built.stored`), on any device, with its states dequantized there and laid out in its
-    convention."""
+def on_device(built: dict[str, Any], spec: StoreSpec) -> dict[str, Any]:
+    """A batch read as it crosses to a GPU (:meth:`Built.stored`: its hidden states as the store holds them, fp8
+    rows for an fp8 store, and end to end when the plan was ``dense``), on any device, with its states
+    dequantized and padded into their rows there and laid out in its convention."""
     tensors = dict(built["tensors"])
+    rows, width = tensors["input_ids"].shape
     for name in HIDDEN:
-        rows = tensors[name]
-        if rows.dtype == torch.uint8:  # (a batch made again from items after a corrupt sample is read already)
+        states = tensors[name]
+        if states.dtype == torch.uint8:  # (a batch made again from items after a corrupt sample is read already)
             tensor = spec.tensor(name)
-            states = quantize.dequantize(rows.reshape(-1, tensor.width), tensor.layers, spec.hidden_size,
-                                         tensor.logical_dtype)
-            tensors[name] = states.view(*rows.shape[:-1], tensor.values_width)
+            states = quantize.dequantize(states.reshape(-1, tensor.width), tensor.layers, spec.hidden_size,
+                                         tensor.logical_dtype).view(*states.shape[:-1], tensor.values_width)
+        if states.shape[:2] != (rows, width):
+            states = _padded(states[0], built["lengths"], width)
+        tensors[name] = states
     return assemble(built["convention"], tensors, built["sample_ids"], built["metas"])
+
+
+def _padded(states: torch.Tensor, lengths: list[int], width: int) -> torch.Tensor:
+    """``states`` of samples of ``lengths`` end to end, each in its row of ``width`` tokens, zero-padded."""
+    out = states.new_empty((len(lengths), width, states.shape[-1]))
+    start = 0
+    for b, n in enumerate(lengths):
+        out[b, :n] = states[start : start + n]
+        out[b, n:] = 0
+        start += n
+    return out
 
 
 def assemble(convention: str, tensors: dict[str, torch.Tensor], sample_ids: list[str],

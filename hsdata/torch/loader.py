@@ -15,7 +15,7 @@ from ..io import segments
 from ..io.ring import MIN_ARENA_BYTES, Ring
 from ..io.segments import SharedBatch
 from ..io.threads import ProcessLocalPool
-from .batches import Layout, dequantized
+from .batches import Layout, on_device
 from .device import to_device
 from .readahead import BatchReads, ReadAhead, default_threads
 from .samplers import ShardAwareSampler
@@ -40,8 +40,9 @@ class Loader:
       over, and the memory is reused all epoch.
     - ``device`` (e.g. ``"cuda"``): batches arrive on it, each copied on a side stream while the step before it
       runs (:func:`to_device`, holding ``ahead`` batches beyond the one in use). The host memory is then pinned
-      (``pin_memory=None`` pins exactly when ``device`` is a CUDA device), so the copies are asynchronous. An fp8
-      store's batches cross as the store holds them (half of bf16's bytes) and are dequantized on the GPU.
+      (``pin_memory=None`` pins exactly when ``device`` is a CUDA device), so the copies are asynchronous. A batch
+      crosses as the store holds its states, end to end (an fp8 store's at half of bf16's bytes, a padded batch
+      without its padding), and is dequantized and padded on the GPU.
 
     A batch's tensors stay valid for as long as they (or views of them) are referenced: memory is reused only
     after that. ``set_epoch``, ``state_dict`` and ``load_state_dict`` go to the sampler, counting the samples (or
@@ -77,9 +78,8 @@ class Loader:
         self.device = None if device is None else torch.device(device)
         self.ahead = ahead
         self.pin_memory = (self.device is not None and self.device.type == "cuda") if pin_memory is None else pin_memory
-        # an fp8 store's states go to a CUDA device as stored (half the bytes) and are dequantized there
-        self._stored = self.device is not None and self.device.type == "cuda" and dataset.spec.tensor(
-            "hidden_states").quantized
+        # states go to a CUDA device as stored, unpadded (an fp8 store's: half the bytes), finished there
+        self._stored = self.device is not None and self.device.type == "cuda"
         self._pool = ProcessLocalPool(self.threads, "hsdata-loader")
         self._buffers: Ring | None = None
         self._workers: DataLoader | None = None
@@ -106,7 +106,7 @@ class Loader:
         self._consumed = 0
         units: collections.deque[int] = collections.deque()  # what each batch in flight counts for the sampler
         host = self._read_here(units) if self.num_workers == 0 else self._read_in_workers(units)
-        transform = partial(dequantized, spec=self.dataset.spec) if self._stored else None
+        transform = partial(on_device, spec=self.dataset.spec) if self._stored else None
         batches = host if self.device is None else to_device(host, self.device, ahead=self.ahead, transform=transform)
         for batch in batches:
             self._consumed += units.popleft()

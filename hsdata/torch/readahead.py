@@ -33,7 +33,7 @@ class Pending:
                  spread: bool = False, stored: bool = False):
         self._source, self._positions, self._layout, self._take = source, positions, layout, take
         located = source._locate(positions)
-        self._plan = plan(layout, Hidden.of_spec(source.spec, stored=stored), source.lengths[positions])
+        self._plan = plan(layout, Hidden.of_spec(source.spec, stored=stored), source.lengths[positions], dense=stored)
         self.nbytes = self._plan.nbytes
         self._tensors = views(self._plan, take(self._plan.nbytes))
         if layout.pack:
@@ -183,8 +183,8 @@ class BatchReads:
                     pool: ProcessLocalPool | None = None, spread: bool = False, stored: bool = False) -> Pending:
         """Start reading the batch of ``positions`` in ``layout`` into a block from ``take(nbytes)`` on ``pool``'s
         threads (default: this dataset's); ``spread``: each sample's ranges on the store's I/O threads at once
-        (for a batch read alone: a DataLoader worker's); ``stored``: an fp8 store's states as it holds them
-        (``Built.stored``; dequantized later, on a GPU)."""
+        (for a batch read alone: a DataLoader worker's); ``stored``: the states as the store holds them (an fp8
+        store's fp8 rows) and end to end, unpadded (``Built.stored``; dequantized and padded later, on a GPU)."""
         return Pending(self, positions, layout, take, pool or self._pool, spread, stored)
 
     def _read_items(self, positions: list[int]) -> BatchItems:
