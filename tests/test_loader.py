@@ -364,7 +364,12 @@ def test_bad_loader_arguments_say_what_is_wrong(store):
         collate_eagle3([])
 
 
+# torch's SIGCHLD handler may raise again while the iterator shuts the dead worker's pool down (in its __del__:
+# "Exception ignored"), whatever the dataset
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_killed_worker_stops_the_loop_and_its_memory_goes_at_the_next_batch(wide_store):
+    """A worker killed with a batch on its way: the loop raises torch's "DataLoader worker ..." error (or hsdata's,
+    naming the worker, when the batch's memory cannot be fetched from it any more), and its memory goes."""
     url, _ = wide_store
     dataset = Eagle3Dataset(url)
     loader = Loader(dataset, batch_size=2, num_workers=2, multiprocessing_context="fork")

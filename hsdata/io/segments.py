@@ -198,12 +198,16 @@ class Borrower:
     def unpack(self, parcel: _Parcel, structure: Any, pin: bool | None) -> Any:
         pid = parcel.pid
         with self._lock:
-            self._link(parcel)
-            for number in parcel.retired:
-                self._retire(pid, number)
-            for number, size, fd in parcel.arenas:
-                if fd is not None:
-                    self._map(pid, number, size, fd.detach(), pinning.available() if pin is None else pin)
+            try:
+                self._link(parcel)
+                for number in parcel.retired:
+                    self._retire(pid, number)
+                for number, size, fd in parcel.arenas:
+                    if fd is not None:
+                        self._map(pid, number, size, fd.detach(), pinning.available() if pin is None else pin)
+            except (OSError, EOFError) as e:  # its file descriptors come from the worker, which must be alive
+                raise RuntimeError(f"DataLoader worker (pid {pid}) exited before its batch's shared memory reached "
+                                   f"the training process ({type(e).__name__}: {e})") from e
             views = {}
             for number, offset, nbytes in parcel.blocks:
                 views[number, offset] = self._lent[pid, number, offset] = \
