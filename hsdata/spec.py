@@ -22,6 +22,7 @@ FINAL_HIDDEN_STATES = (FINAL_HIDDEN_STATE, "pre_norm")
 
 # Sizing targets: docs/format.md section 9; the measurement behind them is in benchmarks/RESULTS.md.
 CHUNK_TARGET_BYTES = 4 << 20
+COMPRESSED_CHUNK_TARGET_BYTES = 1 << 20  # a compressed chunk is decoded whole: a sample's ends decode less
 SHARD_TARGET_BYTES = 4 << 30
 MAX_SHARD_TOKENS = 1 << 20
 
@@ -175,7 +176,9 @@ class StoreSpec:
                     raise ValueError(f"shard_tokens ({shard_tokens}) must be a multiple of chunk_tokens ({chunk_tokens})")
                 ct = chunk_tokens
             else:
-                ct = min(shard_tokens, _pow2_floor(max(1, CHUNK_TARGET_BYTES // row_nbytes[name])))
+                target = CHUNK_TARGET_BYTES if compression is None or name not in HIDDEN_TENSORS else \
+                    COMPRESSED_CHUNK_TARGET_BYTES
+                ct = min(shard_tokens, _pow2_floor(max(1, target // row_nbytes[name])))
                 while shard_tokens % ct:
                     ct //= 2
             tensors.append(TensorSpec(name, DTYPES[logical[name]].data_type, logical[name], width, ct,
