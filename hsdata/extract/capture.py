@@ -567,8 +567,12 @@ class _FaultLog:
 
 
 def _fault_cause(error: BaseException) -> str:
-    """What a fault is, without what varies between its occurrences (a part's name): the errno's name of the
-    OSError under it, or the innermost exception's type."""
+    """What a fault is, without what varies between its occurrences (a part's name): an object store's answer
+    under it (HTTP status and error code), else the errno's name of the OSError under it, else the innermost
+    exception's type. (s3fs turns a 503 SlowDown into OSError(EBUSY): "Device or resource busy" would mislead.)"""
+    answer = _store_answer(error)
+    if answer is not None:
+        return f"writes fail: the store answers {answer}"
     seen = error
     while True:
         if isinstance(seen, OSError) and seen.errno:
@@ -577,6 +581,25 @@ def _fault_cause(error: BaseException) -> str:
         if inner is None:
             return f"writes fail: {type(seen).__name__}"
         seen = inner
+
+
+def _store_answer(error: BaseException) -> str | None:
+    """``HTTP 503 SlowDown``: the answer of a remote store that an exception in ``error``'s chain carries
+    (botocore's ClientError, which s3fs puts under its OSError; aiohttp's ``status``), else None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        response = getattr(error, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = str(response.get("Error", {}).get("Code") or "")
+            if isinstance(status, int):
+                return f"HTTP {status}" + (f" {code}" if code and code != str(status) else "")
+        status = getattr(error, "status", None)
+        if isinstance(status, int) and 400 <= status < 600:
+            return f"HTTP {status}"
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def copy_rows(tensors: Sequence[torch.Tensor], axis: int = -1) -> torch.Tensor:
