@@ -39,14 +39,9 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-import litdata
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import safetensors
-import safetensors.torch
-import streaming
-import tensorstore as ts
 import torch
 import zarr
 from dataset_bench import TorchSaveDir
@@ -66,6 +61,21 @@ import hsdata
 from hsdata.layout import array_node
 from hsdata.torch import Eagle3Dataset
 
+
+def _optional(name: str):
+    """A format's library (the bench extra), or None where it is not installed: that format cannot be measured,
+    the others can (loader_bench --formats with none of them runs on torch and hsdata alone)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+litdata, streaming, ts = _optional("litdata"), _optional("streaming"), _optional("tensorstore")
+safetensors = _optional("safetensors")
+if safetensors is not None:
+    import safetensors.torch
+
 LAYERS = 3
 SIZES = {"small": {"gib": 1.0, "hidden": 4096}, "large": {"gib": 8.0, "hidden": 7168}}
 FORMATS = ("raw", "specforge", "modelopt", "speculators", "mds", "litdata", "hsdata")
@@ -84,10 +94,18 @@ def log(message: str) -> None:
     print(f"[formats_bench {time.perf_counter() - STARTED:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def make_samples(lengths: list[int], hidden: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    """read_bench's samples, each tensor in its own storage (torch.save writes a view's whole storage)."""
+def make_samples(lengths: list[int], hidden: int, seed: int,
+                 activations: bool = False) -> list[dict[str, torch.Tensor]]:
+    """read_bench's samples, each tensor in its own storage (torch.save writes a view's whole storage): random
+    bits, or with ``activations`` gaussian values of log-normal scales in bf16 (compressible as a trained model's
+    states are: blosc zstd keeps about 0.70 of them)."""
     rng = np.random.default_rng(seed)
-    pool = rng.integers(0, 2**16, 2 * max(lengths) * LAYERS * hidden, dtype=np.uint16)
+    if activations:
+        values = rng.standard_normal(2 * max(lengths) * LAYERS * hidden, dtype=np.float32)
+        values.reshape(-1, LAYERS * hidden)[:] *= np.exp(rng.standard_normal(LAYERS * hidden, dtype=np.float32))
+        pool = torch.from_numpy(values).to(torch.bfloat16).view(torch.uint16).numpy()
+    else:
+        pool = rng.integers(0, 2**16, 2 * max(lengths) * LAYERS * hidden, dtype=np.uint16)
     return [{k: v.clone() for k, v in sample_arrays(pool, rng, n, hidden, LAYERS).items()} for n in lengths]
 
 
@@ -179,9 +197,9 @@ def write_litdata(root: str, samples) -> None:
     os.sync()
 
 
-def write_hsdata(root: str, samples) -> None:
+def write_hsdata(root: str, samples, compression: str | None = None) -> None:
     with hsdata.create(root, hidden_size=samples[0]["hidden_states"].shape[1], aux_layers=[1, 2, 3],
-                       model="bench") as w:
+                       model="bench", compression=compression) as w:
         for i, s in enumerate(samples):
             w.add(f"s{i:06d}", **s)
 

@@ -223,6 +223,10 @@ def litdata_loader(root: str, workers: int):
     return litdata.StreamingDataLoader(ds, batch_size=1, num_workers=workers, pin_memory=GPU)
 
 
+def tree_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
 # ---- running methods ----
 
 def measure(methods: dict, *, mode: str, repeat: int, only: str = "") -> dict[str, list[float]]:
@@ -340,6 +344,10 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true",
                         help="also read the same samples stored as float8_e4m3fn, warm and cold (GB/s: of the "
                              "bfloat16 states delivered)")
+    parser.add_argument("--compression", choices=["zstd", "lz4"],
+                        help="also read the same samples stored with this compression, warm and cold; every store "
+                             "of the run then holds activation-like states (gaussian values of log-normal scales, "
+                             "which compress as a trained model's do) instead of random bits")
     parser.add_argument("--methods", default="", help="a regular expression: run only the methods whose names "
                                                             "it finds (default: all)")
     parser.add_argument("--json")
@@ -354,20 +362,26 @@ def main() -> None:
         os.makedirs(args.dir)
         lengths = make_lengths(np.random.default_rng(0), int(args.gib * 2**30 / (2 * args.hidden * (LAYERS + 1))))
         log(f"writing {len(lengths)} samples, {sum(lengths)} tokens, H {args.hidden}, in {1 + len(args.formats)} formats")
-        samples = make_samples(lengths, args.hidden, 0)
+        samples = make_samples(lengths, args.hidden, 0, activations=args.compression is not None)
         writers = {"hsdata": write_hsdata, "safetensors": write_speculators, "torch.save": write_specforge,
                    "mds": write_mds, "litdata": write_litdata}
         for name in ("hsdata", *args.formats):
             os.makedirs(roots[name])
+            started = time.perf_counter()
             writers[name](roots[name], samples)
-            log(f"wrote {name}")
+            log(f"wrote {name} in {time.perf_counter() - started:.1f} s")
         if args.fp8:  # the same states, their NaN and Inf bit patterns (random bits hold some) made 0
             write_fp8(os.path.join(args.dir, "hsdata-fp8"), samples)
             log("wrote hsdata fp8")
+        if args.compression:
+            started = time.perf_counter()
+            write_hsdata(os.path.join(args.dir, f"hsdata-{args.compression}"), samples, compression=args.compression)
+            log(f"wrote hsdata {args.compression} in {time.perf_counter() - started:.1f} s")
         del samples
         with open(meta, "w") as f:
             json.dump({"count": len(lengths), "formats": args.formats}, f)
     count = json.load(open(meta))["count"]
+    compressed_root = os.path.join(args.dir, f"hsdata-{args.compression}")
     store = hsdata.open(roots["hsdata"], concurrency=args.threads)
     plain = hsdata.open(roots["hsdata"], concurrency=args.threads, verify=False)
     order = list(ShardAwareSampler(Eagle3Dataset(roots["hsdata"]), seed=0))
@@ -377,6 +391,8 @@ def main() -> None:
     result = {"args": vars(args), "samples": count, "tokens": store.num_tokens, "state_gb": gb,
               "machine": f"{platform.node()}: {os.cpu_count()} cores, {torch.cuda.get_device_name() if GPU else 'no GPU'}",
               "versions": {"torch": torch.__version__, "hsdata": hsdata.__version__}, "delivery": "GPU" if GPU else "host"}
+    if args.compression:
+        result["compressed_size"] = round(tree_bytes(compressed_root) / tree_bytes(roots["hsdata"]), 4)
 
     def save(result: dict) -> None:  # after each part, so a run cut short keeps what it measured
         if args.json:
@@ -395,6 +411,15 @@ def main() -> None:
         return {"Loader fp8, 0 workers": hs(0, 1, root=fp8_root), f"Loader fp8, {W} workers": hs(W, 1, root=fp8_root),
                 "Loader fp8, 0 workers, batch 4": hs(0, 4, root=fp8_root),
                 f"Loader fp8, {W} workers, batch 4": hs(W, 4, root=fp8_root)}
+
+    def compressed_methods():  # GB/s of the decompressed states delivered, as for every method
+        if not args.compression:
+            return {}
+        c = args.compression
+        return {f"Loader {c}, 0 workers": hs(0, 1, root=compressed_root),
+                f"Loader {c}, 0 workers, batch 4": hs(0, 4, root=compressed_root),
+                f"Loader {c}, {W} workers": hs(W, 1, root=compressed_root),
+                f"Loader {c}, {W} workers, batch 4": hs(W, 4, root=compressed_root)}
 
     def formats(workers):
         methods = {}
@@ -427,7 +452,7 @@ def main() -> None:
             f"DataLoader + collate_eagle3, {W} workers": partial(epoch, hsdata_dataloader(roots["hsdata"], W, 1)),
             f"DataLoader + collate_eagle3, {W} workers, batch 4": partial(
                 epoch, hsdata_dataloader(roots["hsdata"], W, 4)),
-            **fp8_methods(), **formats(0), **formats(W),
+            **fp8_methods(), **compressed_methods(), **formats(0), **formats(W),
         }
         result["warm"] = rows(measure(methods, mode="warm", repeat=args.repeat, only=args.methods), gb, baselines)
         save(result)
@@ -438,7 +463,7 @@ def main() -> None:
             "raw files": RawRanges(roots["hsdata"], order, args.threads, whole_files=True),
             "Loader, 0 workers": hs(0, 1), "Loader, 0 workers, batch 4": hs(0, 4),
             f"Loader, {W} workers": hs(W, 1), f"Loader, {W} workers, batch 4": hs(W, 4),
-            **fp8_methods(), **formats(W),
+            **fp8_methods(), **compressed_methods(), **formats(W),
         }
         result["cold"] = rows(measure(methods, mode="cold", repeat=args.repeat, only=args.methods), gb,
                               {"x_raw": "raw ranges", "x_raw_files": "raw files"})
@@ -472,6 +497,9 @@ def markdown(result: dict) -> str:
     lines = [f"{result['samples']} samples, {result['tokens']:,} tokens, {result['state_gb']:.2f} GB of states, "
              f"H {a['hidden']}, 3 aux layers + final, bf16, shuffled; delivered to the {result['delivery']}; "
              f"{a['threads']} threads, {a['workers']} workers; medians of {a['repeat']} passes; {result['machine']}."]
+    if a.get("compression"):
+        lines[0] += (f" States activation-like (gaussian, log-normal scales); the {a['compression']} store is "
+                     f"{result['compressed_size']:.3f} of the uncompressed one on disk.")
 
     def table(title, header, body):
         lines.extend(["", title, "", "| " + " | ".join(header) + " |",
