@@ -84,7 +84,8 @@ class HookConfig:
             raise ValueError(f"hsdata hook: on_backpressure must be one of {capture_module.BACKPRESSURE}, "
                              f"got {parsed.on_backpressure!r}")
         if parsed.max_wait_s is not None and not (isinstance(parsed.max_wait_s, (int, float))
-                                                  and parsed.max_wait_s >= 0):
+                                                  and not isinstance(parsed.max_wait_s, bool)
+                                                  and 0 <= parsed.max_wait_s < float("inf")):
             raise ValueError(f"hsdata hook: max_wait_s must be a number of seconds >= 0, got {parsed.max_wait_s!r}")
         return parsed
 

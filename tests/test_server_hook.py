@@ -194,8 +194,10 @@ def test_config_is_checked():
         HookConfig.parse({"store": "/x", "compression": "gzip"})
     with pytest.raises(ValueError, match="on_backpressure must be one of \\('block', 'drop'\\), got 'wait'"):
         HookConfig.parse({"store": "/x", "on_backpressure": "wait"})
-    with pytest.raises(ValueError, match="max_wait_s must be a number of seconds >= 0, got -1"):
-        HookConfig.parse({"store": "/x", "max_wait_s": -1})
+    for bad in (-1, True, "5", float("nan"), float("inf")):  # JSON true is not a number of seconds
+        with pytest.raises(ValueError, match=f"max_wait_s must be a number of seconds >= 0, got {bad!r}"):
+            HookConfig.parse({"store": "/x", "max_wait_s": bad})
+    assert HookConfig.parse({"store": "/x", "max_wait_s": 0}).max_wait_s == 0
 
 
 def test_the_hook_writes_a_compressed_store_when_asked(tmp_path):

@@ -210,8 +210,9 @@ class Capture:
             raise ValueError("flush_interval_s, max_staged_bytes and copy_chunk_bytes must be positive")
         if on_backpressure not in BACKPRESSURE:
             raise ValueError(f"on_backpressure must be one of {BACKPRESSURE}, got {on_backpressure!r}")
-        if max_wait_s is not None and not max_wait_s >= 0:
-            raise ValueError(f"max_wait_s must be None or >= 0, got {max_wait_s!r}")
+        if max_wait_s is not None and (isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float))
+                                       or not 0 <= max_wait_s < float("inf")):
+            raise ValueError(f"max_wait_s must be None or a finite number of seconds >= 0, got {max_wait_s!r}")
         self.on_backpressure = on_backpressure
         self.max_wait_s = 0.0 if on_backpressure == "drop" else max_wait_s
         self.writer = writer
