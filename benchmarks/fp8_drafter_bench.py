@@ -35,17 +35,59 @@ def draft_config(hidden: int, vocab: int) -> dict:
             "draft_vocab_size": vocab, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def prepare(work: str) -> dict:
+def trained_target(work: str, steps: int) -> tuple[str, float]:
+    """The demo model trained (fp32, AdamW, seed 0) on its own conversations for ``steps`` full-batch steps of
+    next-token loss, saved with its tokenizer as a local model folder: a target whose next-token distribution is
+    peaked, as a trained LLM's is (the random-weight demo model's logits are nearly tied, so its top-1 flips
+    under any rounding of the final state)."""
+    from hsdata.extract import demo
+    from hsdata.extract.conversations import read_jsonl
+
+    tokenizer = demo.tokenizer()
+    texts = [tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in r.messages],
+                                           tokenize=False) for r in read_jsonl(demo.data_path())]
+    batch = tokenizer(texts, padding=True, return_tensors="pt") if tokenizer.pad_token else None
+    if batch is None:
+        tokenizer.pad_token = "<unk>"
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    model = demo.model(len(tokenizer), seed=0, dtype=torch.float32).train()
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    for step in range(steps):
+        loss = model(**batch, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    folder = os.path.join(work, "target")
+    model.eval().to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(folder)
+    return folder, float(loss.detach())
+
+
+def prepare(work: str, target_steps: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
     from hsdata.extract import demo
 
     bf16, fp8 = os.path.join(work, "bf16"), os.path.join(work, "fp8")
-    subprocess.run([sys.executable, "-m", "hsdata", "extract", "--out", bf16], check=True, capture_output=True)
+    model_args, facts = [], {"target": "the demo model, random weights"}
+    if target_steps:
+        folder, loss = trained_target(work, target_steps)
+        model_args = ["--model", folder, "--data", demo.data_path()]
+        facts["target"] = f"the demo model trained {target_steps} steps on its conversations (final loss {loss:.3f})"
+    subprocess.run([sys.executable, "-m", "hsdata", "extract", "--out", bf16, *model_args], check=True,
+                   capture_output=True)
     subprocess.run([sys.executable, "-m", "hsdata", "convert", bf16, fp8, "--dtype", "float8_e4m3fn"], check=True,
                    capture_output=True)
     spec = hsdata.open(bf16).spec
-    head = demo.model(spec.vocab_size, seed=0).lm_head.weight.detach().float()  # the extract's own model
+    if target_steps:
+        head = AutoModelForCausalLM.from_pretrained(folder).lm_head.weight.detach().float()
+    else:
+        head = demo.model(spec.vocab_size, seed=0).lm_head.weight.detach().float()  # the extract's own model
     torch.save(head, os.path.join(work, "lm_head.pt"))
-    return {"hidden": spec.hidden_size, "vocab": spec.vocab_size, "samples": len(hsdata.open(bf16)),
+    return {**facts, "hidden": spec.hidden_size, "vocab": spec.vocab_size, "samples": len(hsdata.open(bf16)),
             "max_length": int(hsdata.open(bf16).lengths.max())}
 
 
@@ -92,6 +134,8 @@ def main() -> None:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--tail", type=int, default=12, help="steps averaged at the end (one epoch: 12)")
+    parser.add_argument("--target-steps", type=int, default=0,
+                        help="train the demo target this many steps on its conversations first (0: random weights)")
     parser.add_argument("--json")
     parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)  # the subprocess
     args = parser.parse_args()
@@ -100,7 +144,7 @@ def main() -> None:
         return
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    facts = prepare(args.dir)
+    facts = prepare(args.dir, args.target_steps)
     json.dump(facts, open(os.path.join(args.dir, "facts.json"), "w"))
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_specforge import TRAINING_ENV
