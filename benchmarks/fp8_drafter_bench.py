@@ -4,10 +4,13 @@ The demo model's states (``hsdata extract``'s embedded default: 24 conversations
 and converted with ``hsdata convert --dtype float8_e4m3fn``. SpecForge 0.2.0's own trainer (the path of
 tests/test_specforge.py: ``build_disagg_offline_runtime`` fed by ``hsdata.integrations.specforge``, on the CPU)
 trains a one-layer EAGLE-3 drafter against the demo model's own ``lm_head``, the same steps with the same seed,
-once from each store. Reported per run: the loss and SpecForge's accuracies (the drafter's top-1 agreement with
-the target's next token, per TTT position) at every step, and their means over the last ``--tail`` steps.
+once from each store, and once more from the bf16 store with another seed (how far a seed alone moves the
+figures: the noise the fp8 difference is read against). ``--target-steps N`` first trains the demo model N steps
+on its conversations, so the target's next tokens are confident as a trained LLM's are, and extracts from that.
+Reported per run: the loss and SpecForge's accuracies (the drafter's top-1 agreement with the target's next
+token, per TTT position) at every step, and their means over the last ``--tail`` steps.
 
-    python benchmarks/fp8_drafter_bench.py --dir /tmp/hsbench-drafter --steps 48 --json benchmarks/results/fp8_drafter_bench.json
+    python benchmarks/fp8_drafter_bench.py --dir /tmp/hsbench-drafter --steps 96 --tail 12 --target-steps 150 --json benchmarks/results/fp8_drafter_bench_trained.json
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 import hsdata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = ("bf16", "fp8")
+RUNS = {"bf16": ("bf16", 0), "fp8": ("fp8", 0), "bf16, seed 1": ("bf16", 1)}  # run: (store, seed)
 
 
 def draft_config(hidden: int, vocab: int) -> dict:
@@ -106,12 +109,12 @@ def train(work: str, steps: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{work}/process-group", rank=0, world_size=1)
     try:
         runs = {}
-        for name in RUNS:
-            folder = os.path.join(work, f"train-{name}")
+        for name, (store, seed) in RUNS.items():
+            folder = os.path.join(work, f"train-{store}-seed{seed}")
             os.makedirs(folder)
             epochs = -(-steps * BATCH // facts["samples"])
-            runs[name] = _train(folder, name, os.path.join(work, name), steps=steps, epochs=epochs,
-                                max_len=facts["max_length"], config=config, target_weight=weight)["metrics"]
+            runs[name] = _train(folder, store, os.path.join(work, store), steps=steps, epochs=epochs,
+                                max_len=facts["max_length"], seed=seed, config=config, target_weight=weight)["metrics"]
     finally:
         dist.destroy_process_group()
     torch.save(runs, os.path.join(work, "runs.pt"))
@@ -124,8 +127,10 @@ def summary(runs: dict, tail: int) -> dict:
         last = metrics[-tail:]
         out[name] = {"steps": len(metrics), "final": metrics[-1][1],
                      "tail_mean": {k: sum(m[k] for _, m in last) / len(last) for k in keys}}
-    base, fp8 = out["bf16"]["tail_mean"], out["fp8"]["tail_mean"]
-    out["fp8_vs_bf16_relative"] = {k: (fp8[k] - base[k]) / abs(base[k]) for k in base if base[k]}
+    base = out["bf16"]["tail_mean"]
+    for name, key in (("fp8", "fp8_vs_bf16_relative"), ("bf16, seed 1", "seed_1_vs_seed_0_relative")):
+        other = out[name]["tail_mean"]  # the second: what another seed alone moves (the comparison's noise)
+        out[key] = {k: (other[k] - base[k]) / abs(base[k]) for k in base if base[k]}
     return out
 
 
@@ -159,7 +164,8 @@ def main() -> None:
             json.dump(result, f, indent=2)
     for name in RUNS:
         print(name, json.dumps({k: round(v, 4) for k, v in result[name]["tail_mean"].items()}))
-    print("fp8 vs bf16 (relative)", json.dumps({k: round(v, 4) for k, v in result["fp8_vs_bf16_relative"].items()}))
+    for key in ("fp8_vs_bf16_relative", "seed_1_vs_seed_0_relative"):
+        print(key, json.dumps({k: round(v, 4) for k, v in result[key].items()}))
 
 
 if __name__ == "__main__":

@@ -393,11 +393,16 @@ def test_a_drop_server_never_waits_for_a_slow_store_and_the_client_says_what_was
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     many.write_text("".join(json.dumps({**row, "id": f"{row['id']}-{k}"}) + "\n" for k in range(3) for row in rows))
     with Server(model, store, workdir / "drop.log", hook_config=config, extra=["--enable-metrics"]) as server:
+        before = greedy(server)
         slow = extract(server, many, store, "--concurrency", "2", "--commit-timeout", "5", *flags)
         assert slow.returncode == 1, slow.stdout + slow.stderr + server.log_tail()
         assert f"{3 * len(rows)} sent" in slow.stdout, slow.stdout  # every request answered
         assert "dropped because the store was slower than the model" in slow.stdout, slow.stdout
         committed = int(re.search(r"(\d+) committed", slow.stdout).group(1))
+        server.get("/health")  # raises unless 200
+        assert greedy(server) == before
+        said = [line for line in server.log_path.read_text().splitlines() if "hsdata:" in line]
+    assert len(said) <= 10, "\n".join(said)  # the drops are logged once, then at most once a minute with counts
     proxy["state"].delay_s = 0.0
     checked = run_hsdata("validate", store, *flags)
     assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -210,9 +210,9 @@ def _build_models(work: str, config: dict = DRAFT_CONFIG, target_weight: torch.T
 
 
 def _train(work: str, name: str, source: str, *, steps: int = STEPS, epochs: int = 1, max_len: int = MAX_LEN,
-           **models) -> dict:
+           seed: int = 0, **models) -> dict:
     """SpecForge's trainer, ``steps`` optimizer steps (over at most ``epochs``) from ``source`` (a ``.ckpt``
-    folder or a store); ``models``: :func:`_build_models`'s options."""
+    folder or a store), its config's ``seed``; ``models``: :func:`_build_models`'s options."""
     from specforge.algorithms.builtin import builtin_algorithm_registry
     from specforge.launch import build_disagg_offline_runtime, build_offline_runtime
     from specforge.optimizer import BF16Optimizer
@@ -237,7 +237,7 @@ def _train(work: str, name: str, source: str, *, steps: int = STEPS, epochs: int
         "optimizer_factory": lambda module: BF16Optimizer(module, lr=1e-2, warmup_ratio=0.0, total_steps=steps,
                                                           lr_scheduler="constant"),
         "run_id": name, "output_dir": os.path.join(work, f"out-{name}"), "ttt_length": TTT, "max_len": max_len,
-        "batch_size": BATCH, "max_steps": steps, "num_epochs": epochs, "seed": 0, "log_interval": 1,
+        "batch_size": BATCH, "max_steps": steps, "num_epochs": epochs, "seed": seed, "log_interval": 1,
         "logger": lambda values, step: metrics.append(
             (step, {k: v for k, v in values.items() if not k.startswith("perf/")})),
     }
