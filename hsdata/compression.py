@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numcodecs
+import numcodecs.blosc
 
 CNAMES = ("zstd", "lz4", "lz4hc", "zlib", "blosclz")
 SHUFFLES = {"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
@@ -86,9 +87,11 @@ def parse(value: Any) -> Compression | None:
 BLOSC_HEADER = struct.Struct("<BBBBIII")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
 
 
-def decode_into(codec: numcodecs.Blosc, data: memoryview, out: memoryview) -> None:
-    """Decompress one chunk into ``out``, which it must fill exactly; ``ValueError`` saying why if ``data`` is
-    not a blosc frame of that size (its header is read first, so a hostile one cannot overrun ``out``)."""
+def decode_into(data: memoryview, out: memoryview) -> None:
+    """Decompress one blosc chunk (of any configuration: the frame says it) into ``out``, which it must fill
+    exactly; ``ValueError`` saying why if ``data`` is not a blosc frame of that size (its header is read first,
+    so a hostile one cannot overrun ``out``). Straight to numcodecs' decompressor: its codec's ``decode`` holds
+    the GIL longer per chunk, which the read threads share."""
     if data.nbytes < BLOSC_HEADER.size:
         raise ValueError(f"{data.nbytes} bytes are too short for a blosc header ({BLOSC_HEADER.size})")
     *_, nbytes, _blocksize, cbytes = BLOSC_HEADER.unpack_from(data)
@@ -97,6 +100,6 @@ def decode_into(codec: numcodecs.Blosc, data: memoryview, out: memoryview) -> No
     if nbytes != out.nbytes:
         raise ValueError(f"its blosc header says it decompresses to {nbytes} bytes, expected {out.nbytes}")
     try:
-        codec.decode(data, out=out)
+        numcodecs.blosc.decompress(data, out)
     except RuntimeError as e:
         raise ValueError(f"blosc cannot decompress it: {e}") from None

@@ -493,8 +493,8 @@ class Store:
     def _decode(self, read: _Read) -> None:
         """A compressed read's chunks, checked and decompressed into its destination (else nothing to do)."""
         if read.codec is not None:
-            decode_run(read.encoded, read.range, read.tensor, read.codec, read.destination,
-                       where=self._where(read.key, read.range))
+            decode_run(read.encoded, read.range, read.tensor, read.destination,
+                       where=functools.partial(self._where, read.key, read.range))
             read.encoded = None
 
     def _check_hash(self, i: int, tensor: TensorSpec, computed: int) -> None:

@@ -239,26 +239,27 @@ def chunk_runs(spec: StoreSpec, tensor: TensorSpec, spans: Callable[[int], np.nd
     return runs
 
 
-def decode_run(data: memoryview, run: ChunkRun, tensor: TensorSpec, codec, destination: memoryview, *,
-               where: str) -> None:
+def decode_run(data: memoryview, run: ChunkRun, tensor: TensorSpec, destination: memoryview, *,
+               where: Callable[[], str]) -> None:
     """Check each chunk's crc32c in ``data`` (the run's bytes as they lie in the file), decompress it and copy
-    the range's payload into ``destination``."""
+    the range's payload into ``destination``; ``where()`` names the range in errors. The GIL is held only
+    between the checks, decoding and copies (the read threads decode side by side)."""
     chunk_nbytes, skip, out, position = tensor.chunk_nbytes, run.skip, destination, 0
     for k, encoded in enumerate(run.sizes):
         piece = data[position : position + encoded - CRC_NBYTES]
-        (stored,) = struct.unpack("<I", data[position + encoded - CRC_NBYTES : position + encoded])
+        (stored,) = struct.unpack_from("<I", data, position + encoded - CRC_NBYTES)
         if crc32c(piece) != stored:
-            raise CorruptDataError(f"{where}: chunk {k} of the range fails its crc32c (stored {stored:#010x}, "
+            raise CorruptDataError(f"{where()}: chunk {k} of the range fails its crc32c (stored {stored:#010x}, "
                                    f"computed {crc32c(piece):#010x})")
         take = min(out.nbytes, chunk_nbytes - skip)
         whole = skip == 0 and take == chunk_nbytes
         scratch = None if whole else _scratch(chunk_nbytes)
         try:
-            decode_into(codec, piece, out[:take] if whole else scratch)
+            decode_into(piece, out[:take] if whole else scratch)
         except ValueError as e:
-            raise CorruptDataError(f"{where}: chunk {k} of the range: {e}") from None
-        if not whole:
-            out[:take] = scratch[skip : skip + take]
+            raise CorruptDataError(f"{where()}: chunk {k} of the range: {e}") from None
+        if not whole:  # numpy copies without the GIL, a memoryview assignment with it
+            np.copyto(np.frombuffer(out[:take], np.uint8), np.frombuffer(scratch[skip : skip + take], np.uint8))
         out, skip, position = out[take:], 0, position + encoded
 
 

@@ -564,7 +564,7 @@ class _StreamCheck:
         if self._chunk is None:
             self._chunk = memoryview(bytearray(self.tensor.chunk_nbytes))
         try:
-            decode_into(self._codec, data, self._chunk)
+            decode_into(data, self._chunk)
         except ValueError as e:
             return self._zeros(), str(e)
         return self._chunk, None
