@@ -49,10 +49,8 @@ def trained_target(work: str, steps: int) -> tuple[str, float]:
     tokenizer = demo.tokenizer()
     texts = [tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in r.messages],
                                            tokenize=False) for r in read_jsonl(demo.data_path())]
-    batch = tokenizer(texts, padding=True, return_tensors="pt") if tokenizer.pad_token else None
-    if batch is None:
-        tokenizer.pad_token = "<unk>"
-        batch = tokenizer(texts, padding=True, return_tensors="pt")
+    tokenizer.pad_token = "<unk>"  # (the demo tokenizer has none; padding is masked out of the loss below)
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     model = demo.model(len(tokenizer), seed=0, dtype=torch.float32).train()
     torch.manual_seed(0)

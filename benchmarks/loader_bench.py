@@ -356,6 +356,7 @@ def main() -> None:
     if cold_parts and os.geteuid() != 0:
         sys.exit("needs root: cold passes drop the page cache")
     roots = {name: os.path.join(args.dir, name) for name in ("hsdata", *FORMATS)}
+    compressed_root = os.path.join(args.dir, f"hsdata-{args.compression}")  # (used with --compression)
     meta = os.path.join(args.dir, "samples.json")
     if not (args.reuse and os.path.exists(meta)):
         shutil.rmtree(args.dir, ignore_errors=True)
@@ -375,13 +376,12 @@ def main() -> None:
             log("wrote hsdata fp8")
         if args.compression:
             started = time.perf_counter()
-            write_hsdata(os.path.join(args.dir, f"hsdata-{args.compression}"), samples, compression=args.compression)
+            write_hsdata(compressed_root, samples, compression=args.compression)
             log(f"wrote hsdata {args.compression} in {time.perf_counter() - started:.1f} s")
         del samples
         with open(meta, "w") as f:
             json.dump({"count": len(lengths), "formats": args.formats}, f)
     count = json.load(open(meta))["count"]
-    compressed_root = os.path.join(args.dir, f"hsdata-{args.compression}")
     store = hsdata.open(roots["hsdata"], concurrency=args.threads)
     plain = hsdata.open(roots["hsdata"], concurrency=args.threads, verify=False)
     order = list(ShardAwareSampler(Eagle3Dataset(roots["hsdata"]), seed=0))
@@ -442,7 +442,7 @@ def main() -> None:
             "raw ranges": RawRanges(roots["hsdata"], order, args.threads),
             f"store[i] {args.threads} thr": partial(store_threads, store, order, args.threads),
             f"store[i] {args.threads} thr, verify off": partial(store_threads, plain, order, args.threads),
-            f"store[i] 1 thr": partial(store_threads, store, order, 1),
+            "store[i] 1 thr": partial(store_threads, store, order, 1),
             "Loader, 0 workers": hs(0, 1), "Loader, 0 workers, batch 4": hs(0, 4),
             "Loader, 0 workers, verify off": hs(0, 1, verify=False),
             "Loader, 0 workers, batch 4, verify off": hs(0, 4, verify=False),

@@ -100,7 +100,6 @@ class Store:
         # through the cache alone
         self._shard_sizes: dict[str, int] = {}  # shard key -> file size, read at first use (write-once files)
         self._spans: dict[str, np.ndarray] = {}  # compressed shard key -> its written chunks, read at first use
-        self._codecs = {t.name: t.compression.codec(t.itemsize) for t in spec.tensors if t.compression is not None}
 
     @property
     def url(self) -> str:
@@ -301,8 +300,8 @@ class Store:
     def _plan_reads(self, plan: _Plan, k: int, part: str, tensor: TensorSpec, offset: int, count: int,
                     buffer: memoryview, take) -> None:
         """The reads that fill ``buffer`` with rows ``[offset, offset + count)`` of ``tensor`` in ``part``."""
-        codec, start = self._codecs.get(tensor.name), 0
-        if codec is None:
+        compressed, start = tensor.compression is not None, 0
+        if not compressed:
             ranges = [r for whole in token_ranges(self.spec, tensor, offset, count)
                       for r in whole.split(self._range_bytes)]
         else:
@@ -311,8 +310,8 @@ class Store:
         for r in ranges:
             read = _Read(plan.sample_id, plan.hashers[k], shard_key(part, tensor, r.shard), r,
                          buffer[start : start + r.nbytes])
-            if codec is not None:
-                read.tensor, read.codec = tensor, codec
+            if compressed:
+                read.tensor = tensor
                 read.encoded = _bytes_view(take(r.file_end - r.file_start))
             plan.reads.append(read)
             start += r.nbytes
@@ -492,7 +491,7 @@ class Store:
 
     def _decode(self, read: _Read) -> None:
         """A compressed read's chunks, checked and decompressed into its destination (else nothing to do)."""
-        if read.codec is not None:
+        if read.tensor is not None:
             decode_run(read.encoded, read.range, read.tensor, read.destination,
                        where=functools.partial(self._where, read.key, read.range))
             read.encoded = None
@@ -540,7 +539,6 @@ class _Read:
     range: ShardRange | ChunkRun
     destination: memoryview
     tensor: TensorSpec | None = None  # of a compressed range: its chunks are read into ``encoded``, then decoded
-    codec: Any = None
     encoded: memoryview | None = None  # a pooled buffer, back in the pool once decoded (read.encoded = None)
 
 

@@ -427,7 +427,7 @@ class _StreamCheck:
         self._non_finite: set[str] = set()
         self._bad_values: list[str] = []  # samples whose values are out of range, and the first such value
         self._bad_value: int | None = None
-        self._codec = tensor.compression.codec(tensor.itemsize) if tensor.compression is not None else None
+        self._compressed = tensor.compression is not None
         self._chunk: memoryview | None = None  # a compressed chunk's payload, decoded (_decompressed)
         self._scratch: np.ndarray | None = None  # _holds_non_finite's
         ids_limit = MAX_INPUT_ID + 1 if spec.vocab_size is None else spec.vocab_size  # negative ids: always
@@ -479,7 +479,7 @@ class _StreamCheck:
             spans = index_spans(decode_index(raw_index, per_shard, where="shard index"), size, self.tensor)
         except CorruptDataError as e:
             self._add("index", str(e), key, samples=[r.sample_id for r in self._rows_in(base, base + st)])
-            if self._codec is not None:
+            if self._compressed:
                 return self._fail_rows(base, base + st, "unreadable", "a compressed shard's chunks cannot be found "
                                        "without its index", key)
             written = min(per_shard, max(0, (size - index_nbytes(per_shard)) // chunk_size))
@@ -546,7 +546,7 @@ class _StreamCheck:
             if not intact:  # its samples' xxh3 tell which of them the damage hits
                 bad_chunks.append(j)
                 self._in_bad_chunks.update(r.sample_id for r in self._rows_in(t0, t1))
-            if self._codec is not None:
+            if self._compressed:
                 data, why = self._decompressed(data)
                 if why is not None:  # its samples' bytes are lost
                     undecodable.append((j, why))
@@ -608,7 +608,7 @@ class _StreamCheck:
                 ranges = token_ranges(self.spec, self.tensor, r.offset, r.length)
                 more = f" (and {len(ranges) - 1} more shard(s))" if len(ranges) > 1 else ""
                 key = shard_key(self.part, self.tensor, ranges[0].shard)
-                dense_range = (ranges[0].file_start, ranges[0].file_end) if self._codec is None else None
+                dense_range = (ranges[0].file_start, ranges[0].file_end) if not self._compressed else None
                 self._add("checksum", f"xxh3 {computed:016x} differs from the manifest's {expected:016x}{more}",
                           key, dense_range, [r.sample_id])
             self._next += 1

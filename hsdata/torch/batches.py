@@ -13,7 +13,9 @@ writing a sample needs to know.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Sequence
 
 import torch
@@ -91,10 +93,14 @@ class Plan:
     lengths: tuple[int, ...]
     width: int  # tokens per row: the padded width, or every sample's tokens when packed
     starts: tuple[int, ...]
-    hidden_starts: tuple[int, ...]
     dense: bool  # the hidden states end to end in one row, without padding (:func:`on_device` pads them)
     entries: dict[str, Entry]
     nbytes: int
+
+    @cached_property
+    def hidden_starts(self) -> tuple[int, ...]:
+        """Where each sample's hidden states start in their flattened token axis."""
+        return tuple(itertools.accumulate(self.lengths[:-1], initial=0)) if self.dense else self.starts
 
     @property
     def tokens(self) -> int:
@@ -113,9 +119,8 @@ def plan(layout: Layout, hidden: Hidden, lengths: Sequence[int], *, dense: bool 
     lengths = tuple(int(n) for n in lengths)
     if not lengths or min(lengths) < 1:
         raise ValueError(f"a batch needs samples of at least one token, got lengths {list(lengths)}")
-    packed_starts = tuple(sum(lengths[:b]) for b in range(len(lengths)))
     if layout.pack:
-        width, rows, starts = sum(lengths), 1, packed_starts
+        width, rows, starts = sum(lengths), 1, tuple(itertools.accumulate(lengths[:-1], initial=0))
     else:
         multiple = layout.pad_to_multiple_of
         width, rows = -(-max(lengths) // multiple) * multiple, len(lengths)
@@ -136,7 +141,7 @@ def plan(layout: Layout, hidden: Hidden, lengths: Sequence[int], *, dense: bool 
     for name, (dtype, shape) in shapes.items():
         entries[name] = Entry(offset, dtype, shape)
         offset += -(-entries[name].nbytes // ALIGN) * ALIGN
-    return Plan(layout, lengths, width, starts, packed_starts if dense else starts, dense, entries, offset)
+    return Plan(layout, lengths, width, starts, dense, entries, offset)
 
 
 def views(plan: Plan, block: torch.Tensor) -> dict[str, torch.Tensor]:
