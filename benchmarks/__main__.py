@@ -63,6 +63,9 @@ SUITE = [
           "and a training-shaped consumer (GPU)",
           ("--dir", "{dir}", "--gib", "1", "--hidden", "4096", "--workers", "2", "--ranks", "2"),
           ("--dir", "{dir}", "--gib", "4", "--hidden", "4096", "--workers", "8", "--ranks", "8")),
+    Bench("decode", "decode_bench.py", "CPU decoding of compressed chunks (each preset) and the reads' checks, GB/s "
+          "on 1 thread to all cores", ("--threads", "1", "2", "--seconds", "0.5"),
+          ("--threads", "1", "2", "4", "8", "16", "--seconds", "1")),
     Bench("validate", "validate_bench.py", "hsdata validate against raw reads of the same files",
           ("--dir", "{dir}", "--gib", "1", "--hidden", "4096", "--workers", "2"), ("--dir", "{dir}", "--gib", "6")),
     Bench("cli", "cli_start_bench.py", "how fast the command line answers (--version, --help, info, validate, show) "
