@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--json")
     args = parser.parse_args()
+    if min(args.threads) < 1 or args.seconds <= 0 or args.hidden < 1:
+        parser.error("--threads must all be >= 1, --seconds > 0, --hidden >= 1")
     spec = hsdata.StoreSpec.new(args.hidden, [1, 2, 3], compression="zstd")
     aux = spec.tensor("aux_hidden_states")
     chunks = [activation_chunk(aux.chunk_tokens, aux.width, seed) for seed in range(8)]

@@ -142,6 +142,8 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)  # the subprocess
     args = parser.parse_args()
+    if args.target_steps < 0 or args.steps < 1 or args.tail < 1:
+        parser.error("--target-steps must be >= 0, --steps and --tail >= 1")
     if args.train:
         train(args.dir, args.steps)
         return
