@@ -23,8 +23,8 @@ from .ids import IdIndex, SampleIds, sorted_keys
 from .layout import (MAX_METADATA_BYTES, array_node, load_part_provenance, load_root, metadata_key, parse_document,
                      read_document, shard_key)
 from .io.threads import ProcessLocalPool
-from .shard import (CRC_NBYTES, ChunkRun, ShardRange, chunk_runs, chunks_per_shard, decode_index, decode_run,
-                    encoded_chunk_nbytes, index_nbytes, index_spans, token_ranges)
+from .shard import (CRC_NBYTES, ChunkRun, ShardRange, check_run, chunk_runs, chunks_per_shard, decode_index,
+                    decode_run, encoded_chunk_nbytes, index_nbytes, index_spans, token_ranges)
 from .spec import TENSOR_NAMES, StoreSpec, TensorSpec
 from .io.storage import MAX_REQUESTS, Storage
 
@@ -199,7 +199,7 @@ class Store:
 
     def read_many(self, indices: Sequence[int], fields: Iterable[str] | None = None, *, shared: bool = False,
                   out: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
-                  inline: bool = False) -> list[dict[str, Any]]:
+                  inline: bool = False, encoded: Sequence[int] | None = None) -> list[dict[str, Any]]:
         """Several samples as :meth:`read` gives them, their reads issued together: on a remote store, ranges
         of samples that lie next to each other share requests.
 
@@ -209,14 +209,36 @@ class Store:
         them are read only to check its checksum (not at all with ``verify`` off), and the sample's dict holds
         the given tensor. ``inline``: read a local store on the calling thread (for callers that read several
         samples at once on threads of their own), instead of on the store's I/O threads.
+
+        ``encoded``: for each sample, how many of its first rows to read of its compressed tensors, which are then
+        not decoded: the sample's dict holds an :class:`EncodedRows` (the chunks' bytes, each checked against
+        its crc32c, to be decoded elsewhere: a GPU), read into ``out``'s uint8 tensor of
+        :meth:`encoded_runs`' bytes if given. Their per-sample xxh3 is not checked (it is of the decoded rows).
         """
         names = _check_fields(fields)
-        if out is not None and len(out) != len(indices):
-            raise ValueError(f"out has {len(out)} entries for {len(indices)} samples")
-        plans = [self._plan(self._position(i), names, shared, out[k] if out is not None else None)
+        for given, what in ((out, "out"), (encoded, "encoded")):
+            if given is not None and len(given) != len(indices):
+                raise ValueError(f"{what} has {len(given)} entries for {len(indices)} samples")
+        plans = [self._plan(self._position(i), names, shared, out[k] if out is not None else None,
+                            encoded_rows=None if encoded is None else int(encoded[k]))
                  for k, i in enumerate(indices)]
         self._fill(plans, inline)
         return [self._finish(plan) for plan in plans]
+
+    def encoded_runs(self, i: int, name: str, rows: int | None = None) -> tuple[ChunkRun, ...]:
+        """The compressed chunks holding the first ``rows`` rows (default: all) of sample ``i``'s tensor
+        ``name``, as runs of whole chunks back to back in their shard files (one per shard touched): what
+        :meth:`read_many` with ``encoded`` reads of it (each run's ``file_end - file_start`` bytes, in order)."""
+        tensor = self.spec.tensor(name)
+        if tensor.compression is None:
+            raise ValueError(f"{name} is not compressed in {self.url}")
+        i = self._position(i)
+        part, offset, length = self.location(i)
+        rows = length if rows is None else rows
+        if not 0 < rows <= length:
+            raise ValueError(f"sample {self._ids[i]!r}: rows must be in [1, {length}], got {rows}")
+        self._check_extent(self._ids[i], part, offset, length, tensor)
+        return tuple(self._chunk_runs(self._ids[i], part, tensor, offset, rows))
 
     def _fill(self, plans: list[_Plan], inline: bool) -> None:
         """Run the reads of ``plans``, hashing each range as it arrives."""
@@ -224,7 +246,7 @@ class Store:
         done = 0
         try:
             for read, _ in zip(reads, self._fetch(reads, inline)):
-                if self.verify:  # overlaps with the reads still in flight
+                if self.verify and read.hasher is not None:  # overlaps with the reads still in flight
                     read.hasher.update(read.destination)
                 done += 1
         except FileNotFoundError as e:
@@ -261,9 +283,11 @@ class Store:
         return int(i) % n
 
     def _plan(self, i: int, names: tuple[str, ...], shared: bool,
-              destinations: Mapping[str, torch.Tensor] | None, arrays: bool = False) -> _Plan:
+              destinations: Mapping[str, torch.Tensor] | None, arrays: bool = False,
+              encoded_rows: int | None = None) -> _Plan:
         """The output buffers of sample ``i`` and the ranges to read into them, in byte order of each tensor;
-        ``arrays``: numpy buffers (:meth:`read_arrays`), else torch tensors."""
+        ``arrays``: numpy buffers (:meth:`read_arrays`), else torch tensors; ``encoded_rows``: its first rows of
+        the compressed tensors as their chunks' bytes (:meth:`read_many`)."""
         take = _new_bytes if arrays else self._buffers.take
 
         part, offset, length = self.location(i)
@@ -272,11 +296,14 @@ class Store:
         sample_id = self._ids[i]
         for tensor in tensors:
             self._check_extent(sample_id, part, offset, length, tensor)
-        given = [self._destination(sample_id, t, destinations.get(t.name), length) if destinations else None
-                 for t in tensors]
+        encoded = [] if encoded_rows is None else [t.name for t in tensors if t.compression is not None]
+        given = [self._destination(sample_id, t, destinations.get(t.name), length)
+                 if destinations and t.name not in encoded else None for t in tensors]
         outputs = []
         for tensor, destination in zip(tensors, given):
-            if destination is not None and not (tensor.quantized and not _is_rows(destination)):
+            if tensor.name in encoded:
+                outputs.append(None)  # planned below
+            elif destination is not None and not (tensor.quantized and not _is_rows(destination)):
                 outputs.append(_flat_bytes(destination))
             elif shared and not tensor.quantized:  # (dequantized from a buffer, into shared memory)
                 outputs.append(shared_bytes(length * tensor.row_nbytes))
@@ -287,6 +314,10 @@ class Store:
         if "loss_mask" in names and not with_mask:
             plan.mask_added_later, plan.added_mask = True, self._added_masks.get(sample_id)
         for k, (tensor, output) in enumerate(zip(tensors, outputs)):
+            if tensor.name in encoded:
+                given_bytes = (destinations or {}).get(tensor.name)
+                outputs[k] = self._plan_encoded(plan, k, part, offset, encoded_rows, given_bytes, take)
+                continue
             rows = len(output) // tensor.row_nbytes
             spans = [(offset, rows, _bytes_view(output))]
             if rows < length and self.verify:  # the rest only feeds the checksum
@@ -296,6 +327,29 @@ class Store:
                 if count:
                     self._plan_reads(plan, k, part, tensor, first, count, buffer, take)
         return plan
+
+    def _plan_encoded(self, plan: _Plan, k: int, part: str, offset: int, rows: int, given: torch.Tensor | None,
+                      take) -> EncodedRows:
+        """The reads of a compressed tensor's first ``rows`` rows of a sample as its chunks' bytes, into ``given``
+        (uint8, exactly their size) or a new buffer."""
+        tensor, length = plan.tensors[k], int(self.lengths[plan.position])
+        if not 0 < rows <= length:
+            raise ValueError(f"sample {plan.sample_id!r}: encoded rows must be in [1, {length}], got {rows}")
+        runs = tuple(self._chunk_runs(plan.sample_id, part, tensor, offset, rows))
+        nbytes = sum(r.file_end - r.file_start for r in runs)
+        if given is None:
+            given = take(nbytes)
+        elif given.dtype.itemsize != 1 or given.numel() != nbytes or not given.is_contiguous():
+            raise ValueError(f"sample {plan.sample_id!r}: out[{tensor.name!r}] must be {nbytes} contiguous bytes "
+                             f"(its encoded rows), got {given.dtype} of shape {tuple(given.shape)}")
+        data, start = _bytes_view(given), 0
+        for whole in runs:
+            for r in whole.split(self._range_bytes, tensor.chunk_nbytes):
+                size = r.file_end - r.file_start
+                plan.reads.append(_Read(plan.sample_id, None, shard_key(part, tensor, r.shard), r, None, tensor,
+                                        data[start : start + size]))
+                start += size
+        return EncodedRows(given, runs, tensor)
 
     def _plan_reads(self, plan: _Plan, k: int, part: str, tensor: TensorSpec, offset: int, count: int,
                     buffer: memoryview, take) -> None:
@@ -368,6 +422,9 @@ class Store:
             mask = None if added is None else np.frombuffer(bytearray(added), np.uint8)
             out["loss_mask"] = mask if mask is None or plan.arrays else torch.from_numpy(mask)
         for tensor, output, given, hasher in zip(plan.tensors, plan.outputs, plan.given, plan.hashers):
+            if isinstance(output, EncodedRows):
+                out[tensor.name] = output
+                continue
             if self.verify:
                 self._check_hash(i, tensor, hasher.intdigest())
             if plan.arrays:
@@ -490,11 +547,16 @@ class Store:
         self._decode(read)
 
     def _decode(self, read: _Read) -> None:
-        """A compressed read's chunks, checked and decompressed into its destination (else nothing to do)."""
-        if read.tensor is not None:
-            decode_run(read.encoded, read.range, read.tensor, read.destination,
-                       where=functools.partial(self._where, read.key, read.range))
-            read.encoded = None
+        """A compressed read's chunks, checked and decompressed into its destination (else nothing to do; with
+        no destination, only checked: they are decoded elsewhere)."""
+        if read.tensor is None:
+            return
+        where = functools.partial(self._where, read.key, read.range)
+        if read.destination is None:
+            check_run(read.encoded, read.range, where=where)
+        else:
+            decode_run(read.encoded, read.range, read.tensor, read.destination, where=where)
+        read.encoded = None
 
     def _check_hash(self, i: int, tensor: TensorSpec, computed: int) -> None:
         stored = self._hashes[tensor.name][i].as_py() or 0  # null: no mask stored (never checked then)
@@ -528,16 +590,29 @@ class _Plan:
     added_mask: bytes | None = None
 
 
+@dataclass(frozen=True)
+class EncodedRows:
+    """A compressed tensor's first rows of one sample as stored (:meth:`Store.read_many` with ``encoded``): the
+    bytes of the chunks holding them (each chunk's blosc frame, then its crc32c) and the runs they form, back to
+    back in ``data`` in order (:class:`hsdata.shard.ChunkRun`: a run's rows start ``skip`` bytes into its first
+    chunk's decoded bytes and are ``nbytes`` long)."""
+
+    data: Any  # a uint8 tensor
+    runs: tuple[ChunkRun, ...]
+    tensor: TensorSpec
+
+
 @dataclass
 class _Read:
     """One byte range of a shard file, where its payload goes, and the hasher of its tensor (no reference back
     to the plan: a cycle would keep the sample's buffers alive, out of the pool, until the garbage collector ran)."""
 
     sample_id: str
-    hasher: Any
+    hasher: Any  # None: nothing to hash (chunks read to be decoded elsewhere)
     key: str
     range: ShardRange | ChunkRun
-    destination: memoryview
+    destination: memoryview | None  # None: a compressed range's chunks, only checked (``encoded`` is the output)
+
     tensor: TensorSpec | None = None  # of a compressed range: its chunks are read into ``encoded``, then decoded
     encoded: memoryview | None = None  # a pooled buffer, back in the pool once decoded (read.encoded = None)
 

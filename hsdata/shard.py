@@ -246,11 +246,7 @@ def decode_run(data: memoryview, run: ChunkRun, tensor: TensorSpec, destination:
     between the checks, decoding and copies (the read threads decode side by side)."""
     chunk_nbytes, skip, out, position = tensor.chunk_nbytes, run.skip, destination, 0
     for k, encoded in enumerate(run.sizes):
-        piece = data[position : position + encoded - CRC_NBYTES]
-        (stored,) = struct.unpack_from("<I", data, position + encoded - CRC_NBYTES)
-        if crc32c(piece) != stored:
-            raise CorruptDataError(f"{where()}: chunk {k} of the range fails its crc32c (stored {stored:#010x}, "
-                                   f"computed {crc32c(piece):#010x})")
+        piece = _checked_chunk(data, position, encoded, k, where)
         take = min(out.nbytes, chunk_nbytes - skip)
         whole = skip == 0 and take == chunk_nbytes
         scratch = None if whole else _scratch(chunk_nbytes)
@@ -261,6 +257,27 @@ def decode_run(data: memoryview, run: ChunkRun, tensor: TensorSpec, destination:
         if not whole:  # numpy copies without the GIL, a memoryview assignment with it
             np.copyto(np.frombuffer(out[:take], np.uint8), np.frombuffer(scratch[skip : skip + take], np.uint8))
         out, skip, position = out[take:], 0, position + encoded
+
+
+def check_run(data: memoryview, run: ChunkRun, *, where: Callable[[], str]) -> None:
+    """Check the crc32c of each chunk in ``data`` (the run's bytes as they lie in the file), decoding nothing:
+    the chunks are decoded elsewhere (on a GPU)."""
+    position = 0
+    for k, encoded in enumerate(run.sizes):
+        _checked_chunk(data, position, encoded, k, where)
+        position += encoded
+
+
+def _checked_chunk(data: memoryview, position: int, encoded: int, k: int, where: Callable[[], str]) -> memoryview:
+    """Chunk ``k`` of a run (``encoded`` bytes at ``position``: its frame, then its crc32c), once its crc32c
+    matches."""
+    piece = data[position : position + encoded - CRC_NBYTES]
+    (stored,) = struct.unpack_from("<I", data, position + encoded - CRC_NBYTES)
+    computed = crc32c(piece)
+    if computed != stored:
+        raise CorruptDataError(f"{where()}: chunk {k} of the range fails its crc32c (stored {stored:#010x}, "
+                               f"computed {computed:#010x})")
+    return piece
 
 
 _SCRATCH = threading.local()  # each reading thread's buffer for the chunks a range covers only in part

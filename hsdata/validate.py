@@ -30,7 +30,7 @@ from .layout import (MANIFESTS, PARTS, array_document, array_node, group_documen
                      part_node, read_document, shard_key)
 from .masks import MASKS
 from .removals import REMOVALS
-from .compression import decode_into
+from .compression import blosc_streams, decode_into, device_decodable
 from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, encoded_chunk_nbytes, index_nbytes, index_spans,
                     token_ranges)
 from .spec import HIDDEN_TENSORS, MAX_INPUT_ID, TENSOR_NAMES, StoreSpec, TensorSpec
@@ -428,6 +428,7 @@ class _StreamCheck:
         self._bad_values: list[str] = []  # samples whose values are out of range, and the first such value
         self._bad_value: int | None = None
         self._compressed = tensor.compression is not None
+        self._streams = self._compressed and device_decodable(tensor.compression)  # frames a GPU decodes too
         self._chunk: memoryview | None = None  # a compressed chunk's payload, decoded (_decompressed)
         self._scratch: np.ndarray | None = None  # _holds_non_finite's
         ids_limit = MAX_INPUT_ID + 1 if spec.vocab_size is None else spec.vocab_size  # negative ids: always
@@ -565,9 +566,12 @@ class _StreamCheck:
             self._chunk = memoryview(bytearray(self.tensor.chunk_nbytes))
         try:
             decode_into(data, self._chunk)
+            if self._streams:  # what a device decoder reads of it (docs/format.md section 5c)
+                blosc_streams(data, self.tensor.chunk_nbytes)
         except ValueError as e:
             return self._zeros(), str(e)
         return self._chunk, None
+
 
     def _zeros(self) -> memoryview:
         self._chunk[:] = bytes(self.tensor.chunk_nbytes)
