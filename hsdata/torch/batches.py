@@ -87,7 +87,8 @@ class Entry:
 @dataclass(frozen=True)
 class Plan:
     """One batch: its samples' lengths, where each sample's tokens start in the flattened token axis (of the token
-    tensors, and of the hidden states: the same unless ``dense``), and every tensor's place in the block."""
+    tensors, and of the hidden states: the same unless ``dense``), and every tensor's place in the block (the
+    hidden states' compressed bytes instead, under :func:`encoded_name`, when they are decoded on the device)."""
 
     layout: Layout
     lengths: tuple[int, ...]
@@ -112,10 +113,12 @@ class Plan:
         return self.starts[b] + (self.lengths[b] if self.layout.pack else self.width)
 
 
-def plan(layout: Layout, hidden: Hidden, lengths: Sequence[int], *, dense: bool = False) -> Plan:
+def plan(layout: Layout, hidden: Hidden, lengths: Sequence[int], *, dense: bool = False,
+         encoded: dict[str, int] | None = None) -> Plan:
     """The block layout of a batch of samples of ``lengths`` tokens (each >= 1) with ``hidden`` states;
     ``dense``: the hidden states end to end in one row (a batch crossing to a GPU, padded there), the token
-    tensors laid out as always."""
+    tensors laid out as always; ``encoded``: the hidden states by name that cross compressed, as this many bytes
+    (decoded on the device: :mod:`hsdata.torch.decoding`), in place of their rows."""
     lengths = tuple(int(n) for n in lengths)
     if not lengths or min(lengths) < 1:
         raise ValueError(f"a batch needs samples of at least one token, got lengths {list(lengths)}")
@@ -132,6 +135,9 @@ def plan(layout: Layout, hidden: Hidden, lengths: Sequence[int], *, dense: bool 
         "hidden_states": (hidden.dtype, (hidden_rows, hidden_width, hidden.width)),
         **{name: (torch.int64, (rows, width)) for name in TOKEN_INTS},
     }
+    for name, nbytes in (encoded or {}).items():
+        del shapes[name]
+        shapes[encoded_name(name)] = (torch.uint8, (nbytes,))
     if layout.convention == "modelopt":
         shapes["labels"] = (torch.int64, (rows, width))
     if layout.pack:
@@ -142,6 +148,11 @@ def plan(layout: Layout, hidden: Hidden, lengths: Sequence[int], *, dense: bool 
         entries[name] = Entry(offset, dtype, shape)
         offset += -(-entries[name].nbytes // ALIGN) * ALIGN
     return Plan(layout, lengths, width, starts, dense, entries, offset)
+
+
+def encoded_name(name: str) -> str:
+    """The key of a hidden-state tensor's compressed bytes in a batch's tensors."""
+    return f"{name}:encoded"
 
 
 def views(plan: Plan, block: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -202,6 +213,7 @@ class Built:
     tensors: dict[str, torch.Tensor]
     sample_ids: list[str]
     metas: list[Any] | None = None
+    encoded: dict[str, Any] | None = None  # hidden states decoded on the device: name -> EncodedStates
 
     def batch(self) -> dict[str, Any]:
         """The batch as its convention lays it out (``collate_eagle3``'s docstring)."""
@@ -211,15 +223,24 @@ class Built:
         """The batch as it crosses to a GPU, before its states are dequantized, padded and laid out there
         (:func:`on_device` does all three)."""
         return {"convention": self.plan.layout.convention, "tensors": self.tensors, "lengths": list(self.plan.lengths),
-                "sample_ids": self.sample_ids, "metas": self.metas}
+                "sample_ids": self.sample_ids, "metas": self.metas, "encoded": self.encoded}
 
 
 def on_device(built: dict[str, Any], spec: StoreSpec) -> dict[str, Any]:
     """A batch read as it crosses to a GPU (:meth:`Built.stored`: its hidden states as the store holds them, fp8
-    rows for an fp8 store, and end to end when the plan was ``dense``), on any device, with its states
-    dequantized and padded into their rows there and laid out in its convention."""
+    rows for an fp8 store, compressed where ``encoded``, and end to end when the plan was ``dense``), on any
+    device, with its states decoded, dequantized and padded into their rows there and laid out in its
+    convention."""
     tensors = dict(built["tensors"])
     rows, width = tensors["input_ids"].shape
+    if built.get("encoded"):
+        from .decoding import decode
+
+        hidden = Hidden.of_spec(spec, stored=True)
+        for name, states in built["encoded"].items():
+            decoded = decode(states, tensors.pop(encoded_name(name))).view(hidden.dtype)
+            tensors[name] = decoded.view(1, -1, hidden.aux_width if name == "aux_hidden_states" else hidden.width)
+
     for name in HIDDEN:
         states = tensors[name]
         if states.dtype == torch.uint8:  # (a batch made again from items after a corrupt sample is read already)

@@ -15,7 +15,9 @@ from ..io import segments
 from ..io.ring import MIN_ARENA_BYTES, Ring
 from ..io.segments import SharedBatch
 from ..io.threads import ProcessLocalPool
+from . import decoding
 from .batches import Layout, on_device
+
 from .device import to_device
 from .readahead import BatchReads, ReadAhead, default_threads
 from .samplers import ShardAwareSampler
@@ -43,6 +45,11 @@ class Loader:
       (``pin_memory=None`` pins exactly when ``device`` is a CUDA device), so the copies are asynchronous. A batch
       crosses as the store holds its states, end to end (an fp8 store's at half of bf16's bytes, a padded batch
       without its padding), and is dequantized and padded on the GPU.
+    - ``decode``: where a compressed store's states are decoded: ``"host"`` (the default), on the read threads
+      (or in the workers); ``"device"``, on ``device``, the chunks crossing to it compressed, a third fewer
+      bytes (:mod:`hsdata.torch.decoding`; on a GPU by nvCOMP: ``pip install "hsdata[nvcomp-cu12]"`` or
+      ``[nvcomp-cu13]``, matching torch's CUDA). The store's per-sample xxh3 is of the decoded rows, so with
+      ``"device"`` only the chunks' crc32c are checked (every byte read is still covered by one).
 
     A batch's tensors stay valid for as long as they (or views of them) are referenced: memory is reused only
     after that. ``set_epoch``, ``state_dict`` and ``load_state_dict`` go to the sampler, counting the samples (or
@@ -56,7 +63,8 @@ class Loader:
                  persistent_workers: bool = False, worker_init_fn: Callable[[int], None] | None = None,
                  timeout: float = 0,
                  threads: int | None = None, prefetch_bytes: int | None = None,
-                 device: torch.device | str | None = None, ahead: int = 1, pin_memory: bool | None = None):
+                 device: torch.device | str | None = None, ahead: int = 1, pin_memory: bool | None = None,
+                 decode: str = "host"):
         if not isinstance(dataset, BatchReads):
             raise TypeError(f"Loader reads an hsdata Eagle3Dataset or Mixture, got {type(dataset).__name__}")
         if batch_sampler is not None and (sampler is not None or batch_size != 1 or drop_last):
@@ -78,8 +86,11 @@ class Loader:
         self.device = None if device is None else torch.device(device)
         self.ahead = ahead
         self.pin_memory = (self.device is not None and self.device.type == "cuda") if pin_memory is None else pin_memory
-        # states go to a CUDA device as stored, unpadded (an fp8 store's: half the bytes), finished there
-        self._stored = self.device is not None and self.device.type == "cuda"
+        _check_decode(decode, self.device, dataset.spec)
+        self.decode = decode
+        # states go to a CUDA device as stored, unpadded (an fp8 store's: half the bytes; compressed, decoded
+        # there), finished there
+        self._stored = self.device is not None and self.device.type == "cuda" or decode == "device"
         self._pool = ProcessLocalPool(self.threads, "hsdata-loader")
         self._buffers: Ring | None = None
         self._workers: DataLoader | None = None
@@ -135,7 +146,7 @@ class Loader:
             self._buffers = Ring(pinned=self.pin_memory and pinning.available(),  # room for the read-ahead
                                  min_arena_bytes=self.prefetch_bytes + self.prefetch_bytes // 4 + MIN_ARENA_BYTES)
         start = partial(self.dataset.start_batch, layout=self.layout, take=self._buffers.take, pool=self._pool,
-                        stored=self._stored)
+                        stored=self._stored, encoded=self.decode == "device")
         ahead = ReadAhead(start, self._positions(units), self.prefetch_bytes)
         try:
             while (pending := ahead.next()) is not None:
@@ -148,7 +159,7 @@ class Loader:
     def _read_in_workers(self, units: collections.deque[int]) -> Iterator[Any]:
         if self._workers is None:
             lending = _WorkerBatches(self.dataset, self.layout, threads=max(2, self.threads // self.num_workers),
-                                     pin=self.pin_memory, stored=self._stored)
+                                     pin=self.pin_memory, stored=self._stored, encoded=self.decode == "device")
             self._batches = _Batches()
             self._workers = DataLoader(lending, batch_sampler=self._batches, collate_fn=_unchanged,
                                        num_workers=self.num_workers, multiprocessing_context=self.multiprocessing_context,
@@ -164,6 +175,24 @@ class Loader:
     def close(self) -> None:
         """Stop the worker processes (persistent ones included); their shared memory goes once unused."""
         self._workers = None  # the DataLoader's iterator stops its workers when it goes
+
+
+def _check_decode(decode: str, device: torch.device | None, spec) -> None:
+    """``Loader``'s ``decode``: ``ValueError`` saying why the states of a store of ``spec`` cannot be decoded where
+    it says."""
+    if decode not in ("host", "device"):
+        raise ValueError(f"decode must be 'host' or 'device', got {decode!r}")
+    if decode == "host":
+        return
+    if device is None:
+        raise ValueError("decode='device' needs a device to decode on")
+    why = decoding.decodable(spec)
+    if why is None and device.type == "cuda" and not decoding.nvcomp_available():
+        why = f"nvCOMP is not installed (pip install {decoding.NVCOMP_PACKAGES})"
+    if why is not None:
+        raise ValueError(f"decode='device': the states cannot be decoded on {device}: {why}")
+
+
 
 
 class _Batches:
@@ -187,8 +216,8 @@ class _WorkerBatches(Dataset):
     """The dataset as a DataLoader worker reads it for :class:`Loader`: each batch in the Loader's layout, into
     shared memory lent to the training process (:mod:`hsdata.io.segments`)."""
 
-    def __init__(self, dataset: BatchReads, layout: Layout, *, threads: int, pin: bool, stored: bool):
-        self.dataset, self.layout, self.pin, self.stored = dataset, layout, pin, stored
+    def __init__(self, dataset: BatchReads, layout: Layout, *, threads: int, pin: bool, stored: bool, encoded: bool):
+        self.dataset, self.layout, self.pin, self.stored, self.encoded = dataset, layout, pin, stored, encoded
         self._pool = ProcessLocalPool(threads, "hsdata-worker-read")
 
     def __len__(self) -> int:
@@ -196,5 +225,5 @@ class _WorkerBatches(Dataset):
 
     def __getitems__(self, positions: list[int]) -> SharedBatch:
         built = self.dataset.start_batch(positions, self.layout, segments.take, self._pool, spread=True,
-                                         stored=self.stored).result()
+                                         stored=self.stored, encoded=self.encoded).result()
         return SharedBatch(built.stored() if self.stored else built.batch(), pin=self.pin)

@@ -18,8 +18,9 @@ from ..io import pinned as pinning
 from ..io import segments
 from ..io.ring import Ring
 from ..io.threads import ProcessLocalPool
-from .batches import (BatchItems, Built, Hidden, Layout, collate, fill_row, finish_pack, flat, hidden_rows, plan,
-                      views)
+from ..spec import HIDDEN_TENSORS
+from .batches import (BatchItems, Built, Hidden, Layout, collate, encoded_name, fill_row, finish_pack, flat,
+                      hidden_rows, plan, views)
 
 GROUP_BYTES = 8 << 20  # neighbouring samples of a batch (of one store) read together, up to about this many bytes
 GROUP_ITEMS = 64
@@ -27,19 +28,25 @@ LONG_SAMPLE_BYTES = 64 << 20  # a sample past this is read on the store's I/O th
 
 
 class Pending:
-    """A batch being read: its plan and tensors, and the reads filling them (each a group of its samples)."""
+    """A batch being read: its plan and tensors, and the reads filling them (each a group of its samples).
+    ``encoded``: the hidden states are read as their compressed chunks, to be decoded on the device."""
 
     def __init__(self, source, positions: list[int], layout: Layout, take: Callable, pool: ProcessLocalPool,
-                 spread: bool = False, stored: bool = False):
+                 spread: bool = False, stored: bool = False, encoded: bool = False):
         self._source, self._positions, self._layout, self._take = source, positions, layout, take
         located = source._locate(positions)
-        self._plan = plan(layout, Hidden.of_spec(source.spec, stored=stored), source.lengths[positions], dense=stored)
+        lengths = source.lengths[positions]
+        self._encoded = _encoded_places(located, lengths) if encoded else None
+        sizes = None if self._encoded is None else {name: int(ends[-1]) for name, ends in self._encoded.items()}
+        self._plan = plan(layout, Hidden.of_spec(source.spec, stored=stored), lengths, dense=stored or encoded,
+                          encoded=sizes)
         self.nbytes = self._plan.nbytes
         self._tensors = views(self._plan, take(self._plan.nbytes))
         if layout.pack:
             finish_pack(self._plan, self._tensors)
         groups = _groups(located, source._sample_nbytes[positions])
-        self._reads: list[Future] = [pool.submit(_read_group, dataset, indices, rows, self._plan, self._tensors, spread)
+        self._reads: list[Future] = [pool.submit(_read_group, dataset, indices, rows, self._plan, self._tensors, spread,
+                                                 self._encoded)
                                      for dataset, indices, rows in groups]
 
     def result(self) -> Built:
@@ -55,9 +62,16 @@ class Pending:
             return collate(self._layout, items, self._take)
         finally:
             self._reads = []
-        ids = [sample_id for part_ids, _ in parts for sample_id in part_ids]
-        metas = [meta for _, part_metas in parts for meta in part_metas] if parts[0][1] is not None else None
-        return Built(self._plan, self._tensors, ids, metas)
+        ids = [sample_id for part_ids, _, _ in parts for sample_id in part_ids]
+        metas = [meta for _, part_metas, _ in parts for meta in part_metas] if parts[0][1] is not None else None
+        encoded = None
+        if self._encoded is not None:
+            from .decoding import EncodedStates
+
+            states = [s for _, _, part_states in parts for s in part_states]
+            encoded = {name: EncodedStates.join([(int(start), s[name]) for start, s in zip(starts, states)])
+                       for name, starts in self._encoded.items()}
+        return Built(self._plan, self._tensors, ids, metas, encoded)
 
     def cancel(self) -> None:
         for read in self._reads:
@@ -80,19 +94,42 @@ def _groups(located: list[tuple[Any, int]], nbytes: Sequence[int]) -> Iterator[t
         yield dataset, indices, rows
 
 
-def _read_group(dataset, indices: list[int], rows: list[int], p, tensors,
-                spread: bool) -> tuple[list[str], list | None]:
+def _encoded_places(located: list[tuple[Any, int]], lengths: Sequence[int]) -> dict[str, np.ndarray]:
+    """Where each sample's compressed bytes of each hidden-state tensor start in the batch's block (and, last,
+    where they end), by tensor name."""
+    places = {}
+    for name in HIDDEN_TENSORS:
+        sizes = [sum(r.file_end - r.file_start for r in owner.store.encoded_runs(j, name, int(n)))
+                 for (owner, j), n in zip(located, lengths)]
+        places[name] = np.cumsum([0, *sizes])
+    return places
+
+
+def _read_group(dataset, indices: list[int], rows: list[int], p, tensors, spread: bool,
+                encoded: dict[str, np.ndarray] | None = None) -> tuple[list[str], list | None, list]:
     """Read samples ``indices`` of ``dataset``'s store into batch rows ``rows``: the hidden states straight into
-    place, then the token tensors and padding. A group is read on this thread, unless ``spread`` (a batch read
-    alone, not behind others) or it is one long sample: its ranges then go to the store's I/O threads together
-    (read one after another, they would leave the disk idle or hold back the batches behind them)."""
+    place (``encoded``: their compressed bytes, into their places there, described for the device's decoder),
+    then the token tensors and padding. A group is read on this thread, unless ``spread`` (a batch read alone, not
+    behind others) or it is one long sample: its ranges then go to the store's I/O threads together (read one
+    after another, they would leave the disk idle or hold back the batches behind them)."""
     inline = not spread and (len(indices) > 1 or dataset._sample_bytes(indices[0]) <= LONG_SAMPLE_BYTES)
-    samples = dataset.store.read_many(indices, out=[hidden_rows(p, tensors, b) for b in rows], inline=inline)
+    if encoded is None:
+        out, rows_read = [hidden_rows(p, tensors, b) for b in rows], None
+    else:
+        out = [{name: tensors[encoded_name(name)][int(ends[b]) : int(ends[b + 1])] for name, ends in encoded.items()}
+               for b in rows]
+        rows_read = [p.lengths[b] for b in rows]
+    samples = dataset.store.read_many(indices, out=out, inline=inline, encoded=rows_read)
     flat_rows = flat(tensors)
     for b, sample in zip(rows, samples):
         fill_row(p, flat_rows, b, sample["input_ids"], dataset._loss_mask(sample))
     metas = [dataset.store.meta(j) for j in indices] if dataset.meta else None
-    return [sample["sample_id"] for sample in samples], metas
+    states = []
+    if encoded is not None:
+        from .decoding import EncodedStates
+
+        states = [{name: EncodedStates.of_rows(sample[name]) for name in encoded} for sample in samples]
+    return [sample["sample_id"] for sample in samples], metas, states
 
 
 class ReadAhead:
@@ -180,12 +217,15 @@ class BatchReads:
         return self._read_items([int(i) for i in positions])
 
     def start_batch(self, positions: list[int], layout: Layout, take: Callable[[int], Any],
-                    pool: ProcessLocalPool | None = None, spread: bool = False, stored: bool = False) -> Pending:
+                    pool: ProcessLocalPool | None = None, spread: bool = False, stored: bool = False,
+                    encoded: bool = False) -> Pending:
         """Start reading the batch of ``positions`` in ``layout`` into a block from ``take(nbytes)`` on ``pool``'s
         threads (default: this dataset's); ``spread``: each sample's ranges on the store's I/O threads at once
         (for a batch read alone: a DataLoader worker's); ``stored``: the states as the store holds them (an fp8
-        store's fp8 rows) and end to end, unpadded (``Built.stored``; dequantized and padded later, on a GPU)."""
-        return Pending(self, positions, layout, take, pool or self._pool, spread, stored)
+        store's fp8 rows) and end to end, unpadded (``Built.stored``; dequantized and padded later, on a GPU);
+        ``encoded``: compressed states as their chunks' bytes, decoded later too."""
+        return Pending(self, positions, layout, take, pool or self._pool, spread, stored, encoded)
+
 
     def _read_items(self, positions: list[int]) -> BatchItems:
         pending = self._take_ahead(positions) or self.start_batch(positions, ITEMS_LAYOUT, self._take, spread=True)

@@ -1,0 +1,263 @@
+"""Compressed hidden states decoded on the device their batch goes to.
+
+A batch read for a GPU keeps its compressed tensors as stored: the chunks' blosc frames (checked against their
+crc32c on the host) cross to the device as they are, a third fewer bytes than decoded. There, each frame's zstd
+streams are decoded by nvCOMP in one batched call (docs/format.md section 5c: blosc frames of byte-shuffled
+blocks, each block one standard zstd frame), the blocks are unshuffled and each sample's rows are cut out of its
+chunks, all as tensor operations. On any other device the streams are decoded by the CPU's zstd instead, the
+rest being the same code (that is how the tests check it without a GPU).
+
+:class:`EncodedStates` is the host's part: where every stream lies and where every sample's rows are, made from
+the frames' headers while the batch is read. :func:`decode` is the device's part.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..compression import blosc_streams, device_decodable
+
+from ..errors import CorruptDataError
+from ..reader import EncodedRows
+from ..shard import CRC_NBYTES
+from ..spec import StoreSpec
+
+NVCOMP_PACKAGES = "'hsdata[nvcomp-cu12]' or 'hsdata[nvcomp-cu13]' (nvCOMP 6, matching torch.version.cuda)"
+
+
+@dataclass
+class EncodedStates:
+    """A batch's compressed rows of one tensor, as its ``data`` (the samples' :class:`EncodedRows` bytes back to
+    back) crosses to a device: every zstd stream of its chunks (where it lies in ``data``, its length, where it
+    decodes to among the chunks' decoded bytes, and to how many bytes), each chunk's shuffling, and each run of
+    rows (where it starts among the decoded bytes, and its length), in the order the rows are laid out."""
+
+    chunk_nbytes: int
+    typesize: int
+    stream_offsets: np.ndarray  # int64 [s]
+    stream_sizes: np.ndarray  # int64 [s]
+    stream_targets: np.ndarray  # int64 [s]: chunk k's decoded bytes are [k * chunk_nbytes, (k + 1) * chunk_nbytes)
+    stream_lengths: np.ndarray  # int64 [s]; a stream whose size is its length is stored raw
+    blocksizes: np.ndarray  # int64 [c]: each chunk's blosc block size, 0 for a chunk not shuffled
+    runs: np.ndarray  # int64 [r, 2]: (first byte among the decoded bytes, bytes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the decoded rows."""
+        return int(self.runs[:, 1].sum())
+
+    @classmethod
+    def of_rows(cls, rows: EncodedRows) -> EncodedStates:
+        """The streams and runs of one sample's encoded rows, from its frames' headers (``CorruptDataError`` for
+        a frame that is not blosc zstd with byte shuffle or none)."""
+        tensor, data = rows.tensor, rows.data.numpy()
+        offsets, sizes, targets, lengths, blocksizes, runs = [], [], [], [], [], []
+        position = 0
+        for run in rows.runs:
+            runs.append((len(blocksizes) * tensor.chunk_nbytes + run.skip, run.nbytes))
+            for k, size in enumerate(run.sizes):
+                frame = memoryview(data[position : position + size - CRC_NBYTES])
+                try:
+                    streams = blosc_streams(frame, tensor.chunk_nbytes)
+                except ValueError as e:
+                    raise CorruptDataError(f"{tensor.name}: chunk {k} of a run at byte {run.file_start} of shard "
+                                           f"{run.shard}: {e}") from None
+                base = len(blocksizes) * tensor.chunk_nbytes
+                offsets.append(streams.offsets + position)
+                sizes.append(streams.sizes)
+                targets.append(streams.targets + base)
+                lengths.append(streams.lengths)
+                blocksizes.append(streams.blocksize if streams.shuffled else 0)
+                position += size
+        return cls(tensor.chunk_nbytes, tensor.itemsize, *(np.concatenate(v) for v in (offsets, sizes, targets,
+                   lengths)), np.array(blocksizes, np.int64), np.array(runs, np.int64).reshape(-1, 2))
+
+    @classmethod
+    def join(cls, parts: Sequence[tuple[int, EncodedStates]]) -> EncodedStates:
+        """Several samples' states as one, each ``(where its data starts in the joined data, its states)``."""
+        chunks = np.cumsum([0] + [len(p.blocksizes) for _, p in parts])[:-1]
+        first = parts[0][1]
+        shift = [c * first.chunk_nbytes for c in chunks]
+        return cls(first.chunk_nbytes, first.typesize,
+                   np.concatenate([p.stream_offsets + start for start, p in parts]),
+                   np.concatenate([p.stream_sizes for _, p in parts]),
+                   np.concatenate([p.stream_targets + s for s, (_, p) in zip(shift, parts)]),
+                   np.concatenate([p.stream_lengths for _, p in parts]),
+                   np.concatenate([p.blocksizes for _, p in parts]),
+                   np.concatenate([p.runs + [s, 0] for s, (_, p) in zip(shift, parts)]))
+
+
+def decode(states: EncodedStates, data: torch.Tensor) -> torch.Tensor:
+    """The rows ``states`` describe, decoded from ``data`` (uint8, on any device) on its device, end to end in
+    one uint8 tensor there."""
+    chunks = len(states.blocksizes)
+    shuffled = torch.empty(chunks * states.chunk_nbytes, dtype=torch.uint8, device=data.device)
+    raw = states.stream_sizes == states.stream_lengths
+    coded = ~raw
+    if coded.any():
+        decode_zstd(data, (states.stream_offsets[coded], states.stream_sizes[coded]), shuffled,
+                    (states.stream_targets[coded], states.stream_lengths[coded]))
+    for offset, target, length in zip(*(a[raw].tolist() for a in (states.stream_offsets, states.stream_targets,
+                                                                   states.stream_lengths))):
+        shuffled[target : target + length] = data[offset : offset + length]
+    decoded = _unshuffled(shuffled.view(chunks, states.chunk_nbytes), states.blocksizes, states.typesize)
+    flat = decoded.view(-1)
+    out = torch.empty(states.nbytes, dtype=torch.uint8, device=data.device)
+    position = 0
+    for start, nbytes in states.runs.tolist():
+        out[position : position + nbytes] = flat[start : start + nbytes]
+        position += nbytes
+    return out
+
+
+def _unshuffled(chunks: torch.Tensor, blocksizes: np.ndarray, typesize: int) -> torch.Tensor:
+    """``chunks`` ([c, chunk_nbytes] uint8) with the blocks of each shuffled chunk (block size > 0) unshuffled:
+    a block of n bytes holds its n // typesize items' byte 0s, then their byte 1s, ...; its last n % typesize
+    bytes are as they are."""
+    if not blocksizes.any():
+        return chunks
+    sizes = np.unique(blocksizes)
+    if len(sizes) == 1:  # every chunk shuffled in blocks of one size (what hsdata writes)
+        return _unshuffle(chunks, int(sizes[0]), typesize)
+    out = chunks.clone()
+    for blocksize in sizes[sizes > 0].tolist():
+        rows = torch.as_tensor(np.flatnonzero(blocksizes == blocksize), device=chunks.device)
+        out[rows] = _unshuffle(chunks[rows], blocksize, typesize)
+    return out
+
+
+def _unshuffle(chunks: torch.Tensor, blocksize: int, typesize: int) -> torch.Tensor:
+    """``chunks`` ([c, n] uint8) with every block of ``blocksize`` bytes (the last one shorter) unshuffled."""
+    out = torch.empty_like(chunks)
+    count, nbytes = chunks.shape
+    full, left = divmod(nbytes, blocksize)
+    if full:  # [c, blocks, typesize, items] -> [c, blocks, items, typesize]
+        out[:, : full * blocksize].view(count, full, -1, typesize).copy_(
+            chunks[:, : full * blocksize].view(count, full, typesize, -1).transpose(2, 3))
+    start, items = full * blocksize, left // typesize
+    if items:
+        out[:, start : start + items * typesize].view(count, items, typesize).copy_(
+            chunks[:, start : start + items * typesize].view(count, typesize, items).transpose(1, 2))
+    if left % typesize:
+        out[:, start + items * typesize :] = chunks[:, start + items * typesize :]
+    return out
+
+
+
+Streams = tuple[np.ndarray, np.ndarray]  # (offsets, sizes) of pieces of a buffer
+
+
+def decode_zstd(data: torch.Tensor, frames: Streams, out: torch.Tensor, spots: Streams) -> None:
+    """Decode the zstd frames at ``frames`` (offsets, sizes) of ``data`` into ``spots`` (offsets, lengths) of
+    ``out``: by nvCOMP in one batched call on a CUDA device, by the CPU's zstd elsewhere."""
+    if data.device.type == "cuda":
+        nvcomp = _nvcomp()
+        stream = torch.cuda.current_stream(data.device).cuda_stream
+        codec = _codec(data.device, stream)
+
+        def batched(source: torch.Tensor, frames: Streams, decoded: torch.Tensor, spots: Streams) -> None:
+            codec.decode(nvcomp.as_arrays(source, *(a.tolist() for a in frames), cuda_stream=stream),
+                         out=nvcomp.as_arrays(decoded, *(a.tolist() for a in spots), cuda_stream=stream))
+
+        on_alignment(data, frames, out, spots, max(1, int(codec.get_required_decompression_alignment())), batched)
+    else:
+        cpu_zstd(data, frames, out, spots)
+
+
+
+def cpu_zstd(data: torch.Tensor, frames: Streams, out: torch.Tensor, spots: Streams) -> None:
+    """The zstd frames at ``frames`` of ``data`` decoded by the CPU into ``spots`` of ``out`` (CPU tensors)."""
+    import numcodecs
+
+    source, destination, zstd = data.numpy(), out.numpy(), numcodecs.Zstd()
+    for offset, size, target, length in zip(*(a.tolist() for a in (*frames, *spots))):
+        decoded = np.frombuffer(zstd.decode(source[offset : offset + size]), np.uint8)
+        if len(decoded) != length:
+            raise CorruptDataError(f"a zstd stream decoded to {len(decoded)} bytes, its blosc frame says {length}")
+        destination[target : target + length] = decoded
+
+
+def on_alignment(data: torch.Tensor, frames: Streams, out: torch.Tensor, spots: Streams, align: int,
+                 batched: Callable[[torch.Tensor, Streams, torch.Tensor, Streams], None]) -> None:
+    """``batched(source, frames, decoded, spots)`` (a decoder that needs every piece of its buffers to start on
+    ``align`` bytes) run on ``frames`` of ``data`` into ``spots`` of ``out``: frames not on that alignment (a
+    blosc frame's streams start anywhere) are first copied to places that are, and outputs that are not are
+    decoded to such places, then copied where they go (on the buffers' device)."""
+    source, places = _aligned(data, frames, align)
+    if source is not data:
+        for offset, size, place in zip(*(a.tolist() for a in (*frames, places))):
+            source[place : place + size] = data[offset : offset + size]
+    decoded, at = _aligned(out, spots, align)
+    batched(source, (places, frames[1]), decoded, (at, spots[1]))
+    if decoded is not out:
+        for target, length, spot in zip(*(a.tolist() for a in (*spots, at))):
+            out[target : target + length] = decoded[spot : spot + length]
+
+
+def _aligned(buffer: torch.Tensor, pieces: Streams, align: int) -> tuple[torch.Tensor, np.ndarray]:
+    """``(buffer, offsets)`` if every piece starts on ``align`` bytes, else a new buffer with room for each piece
+    on that alignment (not filled) and where each goes in it."""
+    offsets, sizes = pieces
+    if not (offsets % align).any() and buffer.data_ptr() % align == 0:
+        return buffer, offsets
+    room = -(-sizes // align) * align
+    return torch.empty(int(room.sum()), dtype=torch.uint8, device=buffer.device), np.cumsum(room) - room
+
+
+def nvcomp_available() -> bool:
+    """Whether nvCOMP's Python package is installed (``from nvidia import nvcomp``)."""
+    try:
+        _nvcomp()
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _nvcomp():
+    """nvCOMP, its scratch memory taken from torch's caching allocator on the current stream (its own default
+    would allocate and free device memory per call, and a cudaFree waits for the whole device)."""
+    from nvidia import nvcomp
+
+    nvcomp.set_device_allocator(lambda nbytes, stream: _TorchMemory(nbytes))
+    return nvcomp
+
+
+class _TorchMemory:
+    """Device memory for nvCOMP from torch's caching allocator: freed (for reuse on its stream) when dropped."""
+
+    def __init__(self, nbytes: int):
+        self.tensor = torch.empty(max(1, nbytes), dtype=torch.uint8, device="cuda")
+        self.ptr = self.tensor.data_ptr()
+
+
+_CODECS = threading.local()  # an nvCOMP codec is used by the thread that made it: one per thread and stream
+
+
+def _codec(device: torch.device, stream: int):
+    nvcomp = _nvcomp()
+    codecs = getattr(_CODECS, "codecs", None)
+    if codecs is None:
+        codecs = _CODECS.codecs = {}
+    key = (device.index, stream)
+    if key not in codecs:
+        codecs[key] = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, device_id=device.index,
+                                   cuda_stream=stream)
+    return codecs[key]
+
+
+def decodable(spec: StoreSpec) -> str | None:
+    """Why the hidden states of a store of ``spec`` cannot be decoded on a device (None: they can): only blosc
+    zstd frames with byte shuffle or none are."""
+    if spec.compression is None:
+        return "its hidden states are not compressed"
+    if not device_decodable(spec.compression):
+        return (f"it is compressed with {spec.compression}, and only blosc zstd with byte shuffle or none decodes "
+                "on a device")
+    return None

@@ -1,0 +1,211 @@
+"""Compressed states decoded on the device their batch goes to (issue 28): blosc frames parsed into their zstd
+streams (checked against blosc itself, on every configuration blosc writes, and refused when hostile), the
+chunks crossing compressed, decoded, unshuffled and cut into each sample's rows there: bit-exact against the
+host's decoding in every layout, truncated, with workers, fp8; on a GPU by nvCOMP, elsewhere by the CPU's zstd
+(the same code but that call)."""
+
+from __future__ import annotations
+
+import itertools
+import struct
+
+import numcodecs
+import numpy as np
+import pytest
+import torch
+from crc32c import crc32c
+
+import hsdata
+from conftest import SMALL_LAYOUT, SPEC, make_sample
+from hsdata.compression import Compression, blosc_streams
+from hsdata.reader import EncodedRows
+from hsdata.shard import ChunkRun
+from hsdata.spec import TensorSpec
+from hsdata.torch import Eagle3Dataset, Loader, ShardAwareSampler, decoding
+
+from test_compression import _rewrite_chunk
+from test_loader import LAYOUTS, assert_equal
+
+LENGTHS = [5 + (i * 37) % 140 for i in range(40)]
+CUDA_AND_NVCOMP = torch.cuda.is_available() and decoding.nvcomp_available()
+
+
+def _chunk(kind: str, nbytes: int, seed: int) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    if kind == "states":  # bf16 bits of gaussian values of log-normal scales: compress as activations do
+        values = g.standard_normal(nbytes // 2).astype(np.float32) * np.exp(g.standard_normal(nbytes // 2))
+        return torch.from_numpy(values.astype(np.float32)).bfloat16().view(torch.uint8).numpy()
+    if kind == "noise":  # incompressible: blosc stores raw streams or copies the frame
+        return g.integers(0, 256, nbytes, dtype=np.uint8)
+    return np.zeros(nbytes, np.uint8)
+
+
+@pytest.mark.parametrize("typesize, blocksize, nbytes, kind, shuffle", [
+    (ts, bs, n, kind, shuffle)
+    for ts, bs, n, kind, shuffle in itertools.product(
+        [1, 2, 4], [0, 1 << 16, 1 << 20], [64, 4096, 3 * 65536 + 8], ["states", "noise", "zeros"],
+        ["shuffle", "noshuffle"])
+])
+def test_blosc_frames_decode_through_their_streams_as_blosc_decodes_them(typesize, blocksize, nbytes, kind, shuffle):
+    """Every configuration blosc writes for zstd: copied frames (small, incompressible), raw streams, leftover
+    blocks, typesizes 1 (fp8), 2 (bf16) and 4 (fp32). A run cut from the middle of three chunks."""
+    tensor = TensorSpec("x", "uint8", {1: "uint8", 2: "bfloat16", 4: "float32"}[typesize], nbytes // typesize, 1,
+                        Compression("zstd", 1, shuffle, blocksize))
+    codec = tensor.compression.codec(typesize)
+    chunks = [_chunk(kind, nbytes, seed) for seed in range(3)]
+    frames = [codec.encode(c) for c in chunks]
+    for frame, chunk in zip(frames, chunks):
+        streams = blosc_streams(memoryview(frame), nbytes)
+        assert streams.typesize == typesize and streams.lengths.sum() == nbytes
+    skip = nbytes // 3
+    run = ChunkRun(0, 0, tuple(len(f) + 4 for f in frames), skip, 2 * nbytes + nbytes // 2 - skip)
+    data = torch.frombuffer(bytearray(b"".join(f + struct.pack("<I", crc32c(f)) for f in frames)), dtype=torch.uint8)
+    states = decoding.EncodedStates.of_rows(EncodedRows(data, (run,), tensor))
+    want = np.concatenate(chunks)[skip : skip + run.nbytes]
+    assert np.array_equal(decoding.decode(states, data).numpy(), want)
+
+
+def _frame() -> bytes:
+    return numcodecs.Blosc("zstd", 1, numcodecs.Blosc.SHUFFLE, 1 << 16).encode(_chunk("states", 1 << 18, 0)
+                                                                             .view(np.uint16))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda f: f[:10], "too short for a blosc header"),
+    (lambda f: f[:-1], "the frame holds"),
+    (lambda f: f[:2] + bytes([f[2] | 0x4]) + f[3:], "not a blosc1 frame with byte shuffle"),
+    (lambda f: bytes([3]) + f[1:], "blosc frame version 3"),
+    (lambda f: f[:2] + bytes([(f[2] & 0x1f) | 0x20]) + f[3:], "codec format 1, not zstd"),
+    (lambda f: f[:16] + struct.pack("<i", len(f) + 5) + f[20:], "starts outside it"),
+    (lambda f: f[:struct.unpack_from("<i", f, 16)[0]] + struct.pack("<i", 1 << 30)
+     + f[struct.unpack_from("<i", f, 16)[0] + 4:], "runs past its end"),
+])
+def test_a_hostile_blosc_frame_is_refused_naming_what_is_wrong(change, message):
+    with pytest.raises(ValueError, match=message):
+        blosc_streams(memoryview(change(_frame())), 1 << 18)
+
+
+@pytest.fixture(scope="module")
+def zstd_store(tmp_path_factory):
+    samples = {f"s{i:03d}": make_sample(n, seed=i) for i, n in enumerate(LENGTHS)}
+    samples["s007"]["aux_hidden_states"][:] = 0  # a chunk blosc copies or stores raw
+    path = str(tmp_path_factory.mktemp("zstd") / "store")
+    with hsdata.create(path, **SPEC, **SMALL_LAYOUT, compression=Compression("zstd", 1, "shuffle", 512)) as w:
+        for sample_id, sample in samples.items():
+            w.add(sample_id, **sample)
+    return path
+
+
+def _batches(path: str, options: dict, batch_size: int, **loader) -> list:
+    dataset = Eagle3Dataset(path, max_length=100)
+    return list(Loader(dataset, batch_size=batch_size, sampler=ShardAwareSampler(dataset, seed=2), **options, **loader))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_decoded_on_the_device_equal_the_host_s(zstd_store, layout, workers):
+    """The CPU stands in for the GPU (the CPU's zstd in place of nvCOMP's): the chunks cross compressed, into
+    workers' shared memory too, and come out bit-exact in every layout, samples truncated by max_length."""
+    options, batch_size = LAYOUTS[layout]
+    want = _batches(zstd_store, options, batch_size)
+    got = _batches(zstd_store, options, batch_size, device="cpu", decode="device", num_workers=workers,
+                   multiprocessing_context="fork" if workers else None)
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert_equal(g, w, f"batch {k}")
+
+
+def test_an_fp8_store_compressed_is_decoded_then_dequantized_on_the_device(tmp_path):
+    samples = {f"s{i}": make_sample(n, seed=i) for i, n in enumerate([40, 300, 7, 129])}
+    path = str(tmp_path / "fp8")
+    with hsdata.create(path, **SPEC, **SMALL_LAYOUT, dtype="float8_e4m3fn", compression="zstd") as w:
+        for sample_id, sample in samples.items():
+            w.add(sample_id, **sample)
+    want = _batches(path, {}, 3)
+    got = _batches(path, {}, 3, device="cpu", decode="device")
+    for g, w in zip(got, want):
+        assert_equal(g, w)
+    assert got[0]["hidden_states"].dtype == torch.bfloat16
+
+
+def test_the_chunks_cross_compressed_and_their_crc32c_is_checked_on_the_host(zstd_store, tmp_path):
+    dataset = Eagle3Dataset(zstd_store)
+    loader = Loader(dataset, batch_size=4, device="cpu", decode="device")
+    built = dataset.start_batch([0, 1, 2, 3], loader.layout, lambda n: torch.empty(n, dtype=torch.uint8), stored=True,
+                                encoded=True).result()
+    crossing = built.stored()
+    assert set(crossing["encoded"]) == {"aux_hidden_states", "hidden_states"}
+    encoded = crossing["tensors"]["aux_hidden_states:encoded"]
+    runs = [r for j in range(4) for r in dataset.store.encoded_runs(j, "aux_hidden_states")]
+    assert encoded.numel() == sum(r.file_end - r.file_start for r in runs)  # the chunks' bytes as stored
+    assert "aux_hidden_states" not in crossing["tensors"] and "hidden_states" not in crossing["tensors"]
+    import shutil
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(zstd_store, copy)
+    _rewrite_chunk(hsdata.open(copy), "s003", "hidden_states", lambda b: b.__setitem__(slice(30, 34), bytes(4)),
+                   fix_crc=False)
+    with pytest.raises(hsdata.CorruptDataError, match=r"sample 's00[23]': .*hidden_states.*fails its crc32c"):
+        list(Loader(Eagle3Dataset(copy), batch_size=4, device="cpu", decode="device"))
+
+
+def test_decode_is_checked_and_says_why_a_store_cannot_be_decoded_on_a_device(zstd_store, tmp_path):
+    dataset = Eagle3Dataset(zstd_store)
+    with pytest.raises(ValueError, match="decode must be 'host' or 'device', got 'gpu'"):
+        Loader(dataset, decode="gpu")
+    with pytest.raises(ValueError, match="decode='device' needs a device"):
+        Loader(dataset, decode="device")
+    plain = str(tmp_path / "plain")
+    with hsdata.create(plain, **SPEC, **SMALL_LAYOUT) as w:
+        w.add("a", **make_sample(10, seed=0))
+    with pytest.raises(ValueError, match="cannot be decoded on cpu: its hidden states are not compressed"):
+        Loader(Eagle3Dataset(plain), device="cpu", decode="device")
+    lz4 = str(tmp_path / "lz4")
+    with hsdata.create(lz4, **SPEC, **SMALL_LAYOUT, compression="lz4") as w:
+        w.add("a", **make_sample(10, seed=0))
+    with pytest.raises(ValueError, match="only blosc zstd with byte shuffle or none decodes on a device"):
+        Loader(Eagle3Dataset(lz4), device="cpu", decode="device")
+
+
+@pytest.mark.skipif(not CUDA_AND_NVCOMP, reason="needs a CUDA GPU and nvCOMP")
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("layout", ["one", "padded", "packed"])
+def test_nvcomp_decodes_on_the_gpu_what_the_host_decodes(zstd_store, layout, workers):
+    options, batch_size = LAYOUTS[layout]
+    want = _batches(zstd_store, options, batch_size)
+    dataset = Eagle3Dataset(zstd_store, max_length=100)
+    loader = Loader(dataset, batch_size=batch_size, sampler=ShardAwareSampler(dataset, seed=2), **options,
+                    device="cuda", decode="device", num_workers=workers,
+                    multiprocessing_context="fork" if workers else None)
+    got = list(loader)
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert g["hidden_states"].is_cuda
+        assert_equal(g, w, f"batch {k}")
+
+
+@pytest.mark.parametrize("align", [1, 8, 16])
+def test_frames_off_the_decoder_s_alignment_are_staged_on_it_and_their_output_copied_back(align):
+    """nvCOMP asks that every buffer it reads and writes start on its alignment; a blosc frame's streams start
+    anywhere. The staging runs here with the CPU's zstd in nvCOMP's place, which checks what it is given."""
+    frames = [numcodecs.Zstd(1).encode(_chunk("states", n, seed)) for seed, n in enumerate([1000, 38, 4096, 10])]
+    data = torch.frombuffer(bytearray(b"x" + b"".join(frames)), dtype=torch.uint8)
+    sizes = np.array([len(f) for f in frames], np.int64)
+    offsets = 1 + np.cumsum(sizes) - sizes
+    lengths = np.array([1000, 38, 4096, 10], np.int64)
+    targets = np.array([3, 1003, 1041, 5137], np.int64)
+    out = torch.zeros(5147, dtype=torch.uint8)
+    seen = []
+
+    def batched(source, frames_at, decoded, spots):
+        for buffer, (places, _) in ((source, frames_at), (decoded, spots)):
+            assert buffer.data_ptr() % align == 0 and not (places % align).any()
+        seen.append(source is data)
+        decoding.cpu_zstd(source, frames_at, decoded, spots)
+
+    decoding.on_alignment(data, (offsets, sizes), out, (targets, lengths), align, batched)
+    want = np.zeros(5147, np.uint8)
+    for seed, (target, length) in enumerate(zip(targets, lengths)):
+        want[target : target + length] = _chunk("states", int(length), seed)
+    assert np.array_equal(out.numpy(), want)
+    assert seen == [align == 1]  # staged only when off the alignment
