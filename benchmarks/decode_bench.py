@@ -5,7 +5,13 @@ log-normal channel scales, which compress as a trained model's states do) of the
 would use. Each thread decodes its own chunks into its own buffer, in a loop for --seconds; every codec's
 output is checked bit for bit first.
 
+With CUDA and nvCOMP (``--gpu``), the same chunks decoded on the GPU as the Loader's ``decode="device"`` does
+(``hsdata.torch.decoding.decode``: nvCOMP's batched zstd, the blocks unshuffled, the rows cut out), one batch of
+--gpu-chunks chunks a call, for each blosc block size of --blocksizes: GB/s of decoded bytes, the whole decode
+and nvCOMP's call alone, checked bit for bit against the CPU's blosc first.
+
     python benchmarks/decode_bench.py --hidden 4096 --threads 1 2 4 8 16
+    python benchmarks/decode_bench.py --hidden 4096 --threads 1 --gpu --gpu-chunks 8 32 128 --blocksizes 262144 1048576
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from crc32c import crc32c
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import hsdata  # noqa: E402
-from hsdata.compression import PRESETS  # noqa: E402
+from hsdata.compression import PRESETS, Compression  # noqa: E402
+from hsdata.reader import EncodedRows  # noqa: E402
+from hsdata.shard import ChunkRun  # noqa: E402
 
 
 def activation_chunk(tokens: int, width: int, seed: int) -> np.ndarray:
@@ -51,13 +59,63 @@ def rate(work, threads: int, seconds: float) -> float:
     return sum(done) / (time.perf_counter() - started) / 1e9
 
 
+def gpu_rows(chunks: list[np.ndarray], tensor, counts: list[int], blocksizes: list[int], seconds: float) -> list[dict]:
+    """GB/s of decoded bytes on the GPU (``decoding.decode``, and nvCOMP's call alone) per blosc block size and
+    chunks a batch."""
+    from crc32c import crc32c as crc
+
+    from hsdata.torch import decoding
+
+    rows = []
+    for blocksize in blocksizes:
+        codec = Compression("zstd", 1, "shuffle", blocksize).codec(2)
+        frames = [codec.encode(c) for c in chunks]
+        size = sum(len(f) for f in frames) / sum(c.nbytes for c in chunks)
+        for count in counts:
+            picked = [frames[k % len(frames)] for k in range(count)]
+            data = b"".join(f + crc(f).to_bytes(4, "little") for f in picked)
+            nbytes = count * chunks[0].nbytes
+            run = ChunkRun(0, 0, tuple(len(f) + 4 for f in picked), 0, nbytes)
+            host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            states = decoding.EncodedStates.of_rows(EncodedRows(host, (run,), tensor))
+            device = host.cuda()
+            want = np.concatenate([chunks[k % len(chunks)] for k in range(count)])
+            assert np.array_equal(decoding.decode(states, device).cpu().numpy(), want), (blocksize, count)
+            coded = states.stream_sizes != states.stream_lengths
+            out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            calls = {"decode": lambda: decoding.decode(states, device),
+                     "nvCOMP alone": lambda: decoding.decode_zstd(
+                         device, (states.stream_offsets[coded], states.stream_sizes[coded]), out,
+                         (states.stream_targets[coded], states.stream_lengths[coded]))}
+            for what, call in calls.items():
+                call()
+                torch.cuda.synchronize()
+                done, started = 0, time.perf_counter()
+                while time.perf_counter() - started < seconds:
+                    call()
+                    done += nbytes
+                torch.cuda.synchronize()
+                rows.append({"work": f"GPU {what}, blocks of {blocksize >> 10} KiB", "size": round(size, 4),
+                             "chunks": count, "batch_mb": round(nbytes / 1e6, 1),
+                             "gb_s": round(done / (time.perf_counter() - started) / 1e9, 2)})
+                print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, os.cpu_count() or 1])
     parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--gpu", action="store_true", help="also decode on the GPU (needs CUDA and nvCOMP)")
+    parser.add_argument("--gpu-chunks", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--blocksizes", type=int, nargs="+", default=[PRESETS["zstd"].blocksize])
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu needs a CUDA device")
+    if min(args.gpu_chunks) < 1 or min(args.blocksizes) < 1:
+        parser.error("--gpu-chunks and --blocksizes must all be >= 1")
     if min(args.threads) < 1 or args.seconds <= 0 or args.hidden < 1:
         parser.error("--threads must all be >= 1, --seconds > 0, --hidden >= 1")
     spec = hsdata.StoreSpec.new(args.hidden, [1, 2, 3], compression="zstd")
@@ -101,7 +159,13 @@ def main() -> None:
         for n in args.threads:
             result["rows"].append({"work": name, "threads": n, "gb_s": round(rate(work, n, args.seconds), 2)})
             print(result["rows"][-1], flush=True)
+    if args.gpu:
+        result["gpu"] = gpu_rows(chunks, aux, args.gpu_chunks, args.blocksizes, args.seconds)
+        print("| GPU work | size | chunks a call | MB a call | GB/s |\n|---|---:|---:|---:|---:|")
+        for r in result["gpu"]:
+            print(f"| {r['work']} | {r['size']:.3f} | {r['chunks']} | {r['batch_mb']} | {r['gb_s']:.1f} |")
     print("| work | size | " + " | ".join(f"{n} thr GB/s" for n in args.threads) + " |")
+
     print("|---|---:|" + "---:|" * len(args.threads))
     for work in dict.fromkeys(r["work"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["work"] == work]

@@ -52,7 +52,8 @@ from dataset_bench import TorchSaveDir
 from read_bench import drop_caches, interleaved_times, make_lengths
 from hsdata.layout import shard_key
 from hsdata.shard import token_ranges
-from hsdata.torch import Eagle3Dataset, Loader, ShardAwareSampler, collate_eagle3
+from hsdata.torch import Eagle3Dataset, Loader, ShardAwareSampler, collate_eagle3, decoding
+
 
 RANGE = 8 << 20
 FORMATS = ("safetensors", "torch.save", "mds", "litdata")
@@ -186,12 +187,13 @@ def write_fp8(root: str, samples) -> None:
             w.add(f"s{i:06d}", **finite)
 
 
-def hsdata_loader(path: str, threads: int, workers: int, batch: int, verify: bool, device) -> tuple:
+def hsdata_loader(path: str, threads: int, workers: int, batch: int, verify: bool, device,
+                  decode: str | None = None) -> tuple:
     dataset = Eagle3Dataset(path, verify=verify)
     sampler = ShardAwareSampler(dataset, seed=0)
     loader = Loader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, threads=threads,
                     multiprocessing_context="fork" if workers else None, persistent_workers=workers > 0,
-                    device=device)
+                    device=device, decode=decode)
     return loader
 
 
@@ -399,8 +401,8 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
 
-    def hs(workers, batch, verify=True, root=roots["hsdata"]):
-        loader = hsdata_loader(root, args.threads, workers, batch, verify, device)
+    def hs(workers, batch, verify=True, root=roots["hsdata"], decode=None):
+        loader = hsdata_loader(root, args.threads, workers, batch, verify, device, decode)
         return partial(epoch, loader)
 
     fp8_root = os.path.join(args.dir, "hsdata-fp8")
@@ -415,11 +417,15 @@ def main() -> None:
     def compressed_methods():  # GB/s of the decompressed states delivered, as for every method
         if not args.compression:
             return {}
-        c = args.compression
-        return {f"Loader {c}, 0 workers": hs(0, 1, root=compressed_root),
-                f"Loader {c}, 0 workers, batch 4": hs(0, 4, root=compressed_root),
-                f"Loader {c}, {W} workers": hs(W, 1, root=compressed_root),
-                f"Loader {c}, {W} workers, batch 4": hs(W, 4, root=compressed_root)}
+        c, methods = args.compression, {}
+        ways = {"": "host"}  # decoded by the read threads (or workers); on the GPU where it can
+        if GPU and decoding.decodable(hsdata.open(compressed_root).spec) is None and decoding.nvcomp_available():
+            ways[" GPU decode"] = "device"
+        for name, decode in ways.items():
+            for workers, batch in ((0, 1), (0, 4), (W, 1), (W, 4)):
+                methods[f"Loader {c}{name}, {workers} workers{', batch 4' if batch == 4 else ''}"] = hs(
+                    workers, batch, root=compressed_root, decode=decode)
+        return methods
 
     def formats(workers):
         methods = {}
