@@ -188,7 +188,7 @@ def write_fp8(root: str, samples) -> None:
 
 
 def hsdata_loader(path: str, threads: int, workers: int, batch: int, verify: bool, device,
-                  decode: str | None = None) -> tuple:
+                  decode: str = "host") -> tuple:
     dataset = Eagle3Dataset(path, verify=verify)
     sampler = ShardAwareSampler(dataset, seed=0)
     loader = Loader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, threads=threads,
@@ -401,7 +401,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
 
-    def hs(workers, batch, verify=True, root=roots["hsdata"], decode=None):
+    def hs(workers, batch, verify=True, root=roots["hsdata"], decode="host"):
         loader = hsdata_loader(root, args.threads, workers, batch, verify, device, decode)
         return partial(epoch, loader)
 
