@@ -22,6 +22,7 @@ import torch
 
 from .. import quantize
 from ..spec import StoreSpec
+from .decoding import decode
 
 CONVENTIONS = ("hsdata", "specforge", "modelopt")
 IGNORE_INDEX = -100  # labels of positions that predict nothing (ModelOpt's IGNORE_TOKEN_ID)
@@ -234,8 +235,6 @@ def on_device(built: dict[str, Any], spec: StoreSpec) -> dict[str, Any]:
     tensors = dict(built["tensors"])
     rows, width = tensors["input_ids"].shape
     if built.get("encoded"):
-        from .decoding import decode
-
         hidden = Hidden.of_spec(spec, stored=True)
         for name, states in built["encoded"].items():
             decoded = decode(states, tensors.pop(encoded_name(name))).view(hidden.dtype)

@@ -21,6 +21,7 @@ from ..io.threads import ProcessLocalPool
 from ..spec import HIDDEN_TENSORS
 from .batches import (BatchItems, Built, Hidden, Layout, collate, encoded_name, fill_row, finish_pack, flat,
                       hidden_rows, plan, views)
+from .decoding import EncodedStates
 
 GROUP_BYTES = 8 << 20  # neighbouring samples of a batch (of one store) read together, up to about this many bytes
 GROUP_ITEMS = 64
@@ -66,8 +67,6 @@ class Pending:
         metas = [meta for _, part_metas, _ in parts for meta in part_metas] if parts[0][1] is not None else None
         encoded = None
         if self._encoded is not None:
-            from .decoding import EncodedStates
-
             states = [s for _, _, part_states in parts for s in part_states]
             encoded = {name: EncodedStates.join([(int(start), s[name]) for start, s in zip(starts, states)])
                        for name, starts in self._encoded.items()}
@@ -126,8 +125,6 @@ def _read_group(dataset, indices: list[int], rows: list[int], p, tensors, spread
     metas = [dataset.store.meta(j) for j in indices] if dataset.meta else None
     states = []
     if encoded is not None:
-        from .decoding import EncodedStates
-
         states = [{name: EncodedStates.of_rows(sample[name]) for name in encoded} for sample in samples]
     return [sample["sample_id"] for sample in samples], metas, states
 
