@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from ..compression import blosc_streams, device_decodable
-
 from ..errors import CorruptDataError
 from ..reader import EncodedRows
 from ..shard import CRC_NBYTES
@@ -65,6 +64,9 @@ class EncodedStates:
                 frame = memoryview(data[position : position + size - CRC_NBYTES])
                 try:
                     streams = blosc_streams(frame, tensor.chunk_nbytes)
+                    if streams.shuffled and streams.typesize != tensor.itemsize:
+                        raise ValueError(f"shuffled in items of {streams.typesize} bytes, the tensor's are "
+                                         f"{tensor.itemsize}")
                 except ValueError as e:
                     raise CorruptDataError(f"{tensor.name}: chunk {k} of a run at byte {run.file_start} of shard "
                                            f"{run.shard}: {e}") from None
