@@ -214,6 +214,14 @@ def summary(runs: dict, tail: int) -> dict:
     return out
 
 
+def per_step(metrics: dict, seeds: int) -> dict:
+    """A step's metrics as saved: all of them, or with ``seeds`` (12 runs or more, compared by evaluation) the
+    loss and the agreement only, to 5 decimals."""
+    if not seeds:
+        return metrics
+    return {k: round(metrics[k], 5) for k in ("loss", "acc") if k in metrics}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", required=True)
@@ -243,7 +251,7 @@ def main() -> None:
     saved = torch.load(os.path.join(args.dir, "runs.pt"), weights_only=False)
     runs = saved["runs"]
     result = {"facts": facts, "steps": args.steps, "tail": args.tail, **summary(runs, args.tail),
-              "per_step": {name: [(s, m) for s, m in metrics] for name, metrics in runs.items()}}
+              "per_step": {name: [(s, per_step(m, args.seeds)) for s, m in metrics] for name, metrics in runs.items()}}
     if args.seeds:
         result["evaluated"] = saved["evaluated"]
         result["paired"] = paired(saved["evaluated"], args.seeds)

@@ -612,7 +612,6 @@ class _Read:
     key: str
     range: ShardRange | ChunkRun
     destination: memoryview | None  # None: a compressed range's chunks, only checked (``encoded`` is the output)
-
     tensor: TensorSpec | None = None  # of a compressed range: its chunks are read into ``encoded``, then decoded
     encoded: memoryview | None = None  # a pooled buffer, back in the pool once decoded (read.encoded = None)
 

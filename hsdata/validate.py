@@ -572,7 +572,6 @@ class _StreamCheck:
             return self._zeros(), str(e)
         return self._chunk, None
 
-
     def _zeros(self) -> memoryview:
         self._chunk[:] = bytes(self.tensor.chunk_nbytes)
         return self._chunk

@@ -17,7 +17,6 @@ from ..io.segments import SharedBatch
 from ..io.threads import ProcessLocalPool
 from . import decoding
 from .batches import Layout, on_device
-
 from .device import to_device
 from .readahead import BatchReads, ReadAhead, default_threads
 from .samplers import ShardAwareSampler
@@ -191,8 +190,6 @@ def _check_decode(decode: str, device: torch.device | None, spec) -> None:
         why = f"nvCOMP is not installed (pip install {decoding.NVCOMP_PACKAGES})"
     if why is not None:
         raise ValueError(f"decode='device': the states cannot be decoded on {device}: {why}")
-
-
 
 
 class _Batches:
