@@ -209,3 +209,24 @@ def test_frames_off_the_decoder_s_alignment_are_staged_on_it_and_their_output_co
         want[target : target + length] = _chunk("states", int(length), seed)
     assert np.array_equal(out.numpy(), want)
     assert seen == [align == 1]  # staged only when off the alignment
+
+
+def test_reading_encoded_rows_checks_its_arguments(zstd_store, tmp_path):
+    store = hsdata.open(zstd_store)
+    n = int(store.lengths[3])
+    with pytest.raises(ValueError, match=r"sample 's003': rows must be in \[1, \d+\], got 0"):
+        store.encoded_runs(3, "hidden_states", 0)
+    with pytest.raises(ValueError, match="encoded has 1 entries for 2 samples"):
+        store.read_many([3, 4], encoded=[n])
+    with pytest.raises(ValueError, match=r"out\['hidden_states'\] must be \d+ contiguous bytes"):
+        store.read_many([3], out=[{"hidden_states": torch.empty(7, dtype=torch.uint8)}], encoded=[n])
+    with pytest.raises(ValueError, match=r"encoded rows must be in \[1, \d+\], got " + str(n + 1)):
+        store.read_many([3], encoded=[n + 1])
+    plain = str(tmp_path / "plain")
+    with hsdata.create(plain, **SPEC, **SMALL_LAYOUT) as w:
+        w.add("a", **make_sample(10, seed=0))
+    with pytest.raises(ValueError, match="hidden_states is not compressed"):
+        hsdata.open(plain).encoded_runs(0, "hidden_states")
+    runs = store.encoded_runs(3, "hidden_states")
+    got = store.read_many([3], encoded=[n])[0]["hidden_states"]
+    assert got.runs == runs and got.data.numel() == sum(r.file_end - r.file_start for r in runs)
