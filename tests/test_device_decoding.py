@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+from types import SimpleNamespace
 
 import numcodecs
 import numpy as np
@@ -22,6 +23,7 @@ from hsdata.reader import EncodedRows
 from hsdata.shard import ChunkRun
 from hsdata.spec import TensorSpec
 from hsdata.torch import Eagle3Dataset, Loader, ShardAwareSampler, decoding
+from hsdata.torch import loader as loader_module
 
 from test_compression import _rewrite_chunk
 from test_loader import LAYOUTS, assert_equal
@@ -103,9 +105,13 @@ def _batches(path: str, options: dict, batch_size: int, **loader) -> list:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("workers", [0, 2])
-def test_batches_decoded_on_the_device_equal_the_host_s(zstd_store, layout, workers):
+@pytest.mark.parametrize("bundle_bytes", [1, 60_000, None])
+def test_batches_decoded_on_the_device_equal_the_host_s(zstd_store, layout, workers, bundle_bytes, monkeypatch):
     """The CPU stands in for the GPU (the CPU's zstd in place of nvCOMP's): the chunks cross compressed, into
-    workers' shared memory too, and come out bit-exact in every layout, samples truncated by max_length."""
+    workers' shared memory too, and come out bit-exact in every layout, samples truncated by max_length,
+    decoded a batch at a time, a few at a time, or all together."""
+    if bundle_bytes is not None:
+        monkeypatch.setattr(loader_module, "DEVICE_DECODE_BYTES", bundle_bytes)
     options, batch_size = LAYOUTS[layout]
     want = _batches(zstd_store, options, batch_size)
     got = _batches(zstd_store, options, batch_size, device="cpu", decode="device", num_workers=workers,
@@ -170,7 +176,10 @@ def test_decode_is_checked_and_says_why_a_store_cannot_be_decoded_on_a_device(zs
 @pytest.mark.skipif(not CUDA_AND_NVCOMP, reason="needs a CUDA GPU and nvCOMP")
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("layout", ["one", "padded", "packed"])
-def test_nvcomp_decodes_on_the_gpu_what_the_host_decodes(zstd_store, layout, workers):
+@pytest.mark.parametrize("bundle_bytes", [60_000, None])
+def test_nvcomp_decodes_on_the_gpu_what_the_host_decodes(zstd_store, layout, workers, bundle_bytes, monkeypatch):
+    if bundle_bytes is not None:
+        monkeypatch.setattr(loader_module, "DEVICE_DECODE_BYTES", bundle_bytes)
     options, batch_size = LAYOUTS[layout]
     want = _batches(zstd_store, options, batch_size)
     dataset = Eagle3Dataset(zstd_store, max_length=100)
@@ -182,6 +191,17 @@ def test_nvcomp_decodes_on_the_gpu_what_the_host_decodes(zstd_store, layout, wor
     for k, (g, w) in enumerate(zip(got, want)):
         assert g["hidden_states"].is_cuda
         assert_equal(g, w, f"batch {k}")
+
+
+def test_batches_are_bundled_until_they_hold_enough_decoded_bytes():
+    def batch(*nbytes):
+        return {"encoded": {f"t{k}": SimpleNamespace(nbytes=n) for k, n in enumerate(nbytes)}}
+
+    batches = [batch(60, 10), batch(20), {"encoded": None}, batch(50, 50), batch(5)]
+    bundles = list(loader_module._bundles(iter(batches), 80))
+    assert [len(b) for b in bundles] == [2, 2, 1]
+    assert [x for b in bundles for x in b] == batches
+    assert list(loader_module._bundles(iter([]), 80)) == []
 
 
 @pytest.mark.parametrize("align", [1, 8, 16])

@@ -22,7 +22,7 @@ import torch
 
 from .. import quantize
 from ..spec import StoreSpec
-from .decoding import decode
+from .decoding import decode_many
 
 CONVENTIONS = ("hsdata", "specforge", "modelopt")
 IGNORE_INDEX = -100  # labels of positions that predict nothing (ModelOpt's IGNORE_TOKEN_ID)
@@ -232,14 +232,27 @@ def on_device(built: dict[str, Any], spec: StoreSpec) -> dict[str, Any]:
     rows for an fp8 store, compressed where ``encoded``, and end to end when the plan was ``dense``), on any
     device, with its states decoded, dequantized and padded into their rows there and laid out in its
     convention."""
-    tensors = dict(built["tensors"])
-    rows, width = tensors["input_ids"].shape
-    if built.get("encoded"):
-        hidden = Hidden.of_spec(spec, stored=True)
-        for name, states in built["encoded"].items():
-            decoded = decode(states, tensors.pop(encoded_name(name))).view(hidden.dtype)
-            tensors[name] = decoded.view(1, -1, hidden.aux_width if name == "aux_hidden_states" else hidden.width)
+    return on_device_many([built], spec)[0]
 
+
+def on_device_many(builts: Sequence[dict[str, Any]], spec: StoreSpec) -> list[dict[str, Any]]:
+    """Several batches, each as :func:`on_device` makes it, the compressed states of all of them decoded at once
+    (:func:`decode_many`)."""
+    tensors = [dict(built["tensors"]) for built in builts]
+    encoded = [(t, name, states) for built, t in zip(builts, tensors) for name, states in
+               (built.get("encoded") or {}).items()]
+    if encoded:
+        hidden = Hidden.of_spec(spec, stored=True)
+        decoded = decode_many([(states, t.pop(encoded_name(name))) for t, name, states in encoded])
+        for (t, name, _), rows in zip(encoded, decoded):
+            t[name] = rows.view(hidden.dtype).view(1, -1, hidden.aux_width if name == "aux_hidden_states"
+                                                   else hidden.width)
+    return [_finished(built, t, spec) for built, t in zip(builts, tensors)]
+
+
+def _finished(built: dict[str, Any], tensors: dict[str, torch.Tensor], spec: StoreSpec) -> dict[str, Any]:
+    """A batch's states on the device, decoded, dequantized and padded, laid out in its convention."""
+    rows, width = tensors["input_ids"].shape
     for name in HIDDEN:
         states = tensors[name]
         if states.dtype == torch.uint8:  # (a batch made again from items after a corrupt sample is read already)

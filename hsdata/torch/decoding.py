@@ -98,24 +98,38 @@ class EncodedStates:
 def decode(states: EncodedStates, data: torch.Tensor) -> torch.Tensor:
     """The rows ``states`` describe, decoded from ``data`` (uint8, on any device) on its device, end to end in
     one uint8 tensor there."""
-    chunks = len(states.blocksizes)
-    shuffled = torch.empty(chunks * states.chunk_nbytes, dtype=torch.uint8, device=data.device)
-    raw = states.stream_sizes == states.stream_lengths
+    return decode_many([(states, data)])[0]
+
+
+def decode_many(parts: Sequence[tuple[EncodedStates, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each part's rows, as :func:`decode` makes them, with one zstd call for the streams of all of them: nvCOMP's
+    batched zstd takes about as long for 8 chunks as for 500 (about 10 ms on an H200), so it pays only when it is
+    given many (benchmarks/RESULTS.md, "GPU decoding")."""
+    data = parts[0][1] if len(parts) == 1 else torch.cat([d for _, d in parts])
+    data_starts = np.cumsum([0] + [len(d) for _, d in parts])[:-1]
+    nbytes = [len(s.blocksizes) * s.chunk_nbytes for s, _ in parts]
+    out_starts = np.cumsum([0] + nbytes)[:-1]
+    shuffled = torch.empty(sum(nbytes), dtype=torch.uint8, device=data.device)
+    offsets, sizes, targets, lengths = (np.concatenate(v) for v in zip(*(
+        (s.stream_offsets + d, s.stream_sizes, s.stream_targets + o, s.stream_lengths)
+        for (s, _), d, o in zip(parts, data_starts, out_starts))))
+    raw = sizes == lengths
     coded = ~raw
     if coded.any():
-        decode_zstd(data, (states.stream_offsets[coded], states.stream_sizes[coded]), shuffled,
-                    (states.stream_targets[coded], states.stream_lengths[coded]))
-    for offset, target, length in zip(*(a[raw].tolist() for a in (states.stream_offsets, states.stream_targets,
-                                                                   states.stream_lengths))):
+        decode_zstd(data, (offsets[coded], sizes[coded]), shuffled, (targets[coded], lengths[coded]))
+    for offset, target, length in zip(*(a[raw].tolist() for a in (offsets, targets, lengths))):
         shuffled[target : target + length] = data[offset : offset + length]
-    decoded = _unshuffled(shuffled.view(chunks, states.chunk_nbytes), states.blocksizes, states.typesize)
-    flat = decoded.view(-1)
-    out = torch.empty(states.nbytes, dtype=torch.uint8, device=data.device)
-    position = 0
-    for start, nbytes in states.runs.tolist():
-        out[position : position + nbytes] = flat[start : start + nbytes]
-        position += nbytes
-    return out
+    rows = []
+    for (states, _), start, n in zip(parts, out_starts.tolist(), nbytes):
+        chunks = shuffled[start : start + n].view(-1, states.chunk_nbytes)
+        flat = _unshuffled(chunks, states.blocksizes, states.typesize).view(-1)
+        out = torch.empty(states.nbytes, dtype=torch.uint8, device=data.device)
+        position = 0
+        for first, length in states.runs.tolist():
+            out[position : position + length] = flat[first : first + length]
+            position += length
+        rows.append(out)
+    return rows
 
 
 def _unshuffled(chunks: torch.Tensor, blocksizes: np.ndarray, typesize: int) -> torch.Tensor:

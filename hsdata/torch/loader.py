@@ -4,6 +4,7 @@ recycled memory, pinned for CUDA, and moved to the GPU on a side stream ahead of
 from __future__ import annotations
 
 import collections
+import itertools
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator
 
@@ -16,12 +17,15 @@ from ..io.ring import MIN_ARENA_BYTES, Ring
 from ..io.segments import SharedBatch
 from ..io.threads import ProcessLocalPool
 from . import decoding
-from .batches import Layout, on_device
+from .batches import Layout, on_device, on_device_many
 from .device import to_device
 from .readahead import BatchReads, ReadAhead, default_threads
 from .samplers import ShardAwareSampler
 
 PREFETCH_BYTES_PER_THREAD = 64 << 20  # batches read ahead: about two samples in flight per thread
+# with decode="device", consecutive batches holding this many bytes of states are decoded together: nvCOMP's zstd
+# call takes about 10 ms on an H200 whether it decodes 8 chunks or 500 (benchmarks/RESULTS.md, "GPU decoding")
+DEVICE_DECODE_BYTES = 256 << 20
 
 
 class Loader:
@@ -47,8 +51,10 @@ class Loader:
     - ``decode``: where a compressed store's states are decoded: ``"host"`` (the default), on the read threads
       (or in the workers); ``"device"``, on ``device``, the chunks crossing to it compressed, a third fewer
       bytes (:mod:`hsdata.torch.decoding`; on a GPU by nvCOMP: ``pip install "hsdata[nvcomp-cu12]"`` or
-      ``[nvcomp-cu13]``, matching torch's CUDA). The store's per-sample xxh3 is of the decoded rows, so with
-      ``"device"`` only the chunks' crc32c are checked (every byte read is still covered by one).
+      ``[nvcomp-cu13]``, matching torch's CUDA). Consecutive batches holding 256 MiB of states cross and are
+      decoded together (nvCOMP's call takes as long for one batch as for many), and ``ahead`` counts such
+      bundles. The store's per-sample xxh3 is of the decoded rows, so with ``"device"`` only the chunks' crc32c
+      are checked (every byte read is still covered by one).
 
     A batch's tensors stay valid for as long as they (or views of them) are referenced: memory is reused only
     after that. ``set_epoch``, ``state_dict`` and ``load_state_dict`` go to the sampler, counting the samples (or
@@ -116,8 +122,14 @@ class Loader:
         self._consumed = 0
         units: collections.deque[int] = collections.deque()  # what each batch in flight counts for the sampler
         host = self._read_here(units) if self.num_workers == 0 else self._read_in_workers(units)
-        transform = partial(on_device, spec=self.dataset.spec) if self._stored else None
-        batches = host if self.device is None else to_device(host, self.device, ahead=self.ahead, transform=transform)
+        if self.decode == "device":  # to the device in bundles (``ahead`` counts bundles), each decoded at once
+            bundles = to_device(_bundles(host, DEVICE_DECODE_BYTES), self.device, ahead=self.ahead,
+                                transform=partial(on_device_many, spec=self.dataset.spec))
+            batches = itertools.chain.from_iterable(bundles)
+        else:
+            transform = partial(on_device, spec=self.dataset.spec) if self._stored else None
+            batches = host if self.device is None else to_device(host, self.device, ahead=self.ahead,
+                                                                 transform=transform)
         for batch in batches:
             self._consumed += units.popleft()
             yield batch
@@ -224,3 +236,17 @@ class _WorkerBatches(Dataset):
         built = self.dataset.start_batch(positions, self.layout, segments.take, self._pool, spread=True,
                                          stored=self.stored, encoded=self.encoded).result()
         return SharedBatch(built.stored() if self.stored else built.batch(), pin=self.pin)
+
+
+def _bundles(batches: Iterator[dict[str, Any]], nbytes: int) -> Iterator[list[dict[str, Any]]]:
+    """Consecutive batches (as they cross to a device, compressed) in lists of at least ``nbytes`` of decoded
+    states each, the last of what is left."""
+    bundle, held = [], 0
+    for batch in batches:
+        bundle.append(batch)
+        held += sum(states.nbytes for states in (batch.get("encoded") or {}).values())
+        if held >= nbytes:
+            yield bundle
+            bundle, held = [], 0
+    if bundle:
+        yield bundle
