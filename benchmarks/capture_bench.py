@@ -9,14 +9,15 @@ changes no cost that matters here. Modes, interleaved over ``--rounds``:
   hsdata  ``hsdata.extract.capture.Capture.add_forward`` for every forward, into a store under ``--store`` (use the local
           disk), as the SGLang hook calls it; the time runs until every sample is committed (the drain included);
   raw     the same number of bytes written to the same disk with plain ``write`` calls and one fsync at the end: the
-          best of one sequential stream and one file per tensor on four threads (hsdata's layout).
+          best of one sequential stream and one file per tensor on four threads (hsdata's layout);
+  hsdata COMPRESSION   with ``--compression``: as hsdata, into a store of that compression.
 
 Reported: tokens/s of the forwards with and without capture, the capture's share of throughput lost, the states'
 production rate (bytes per second of forward time), the extraction rate (bytes per second until committed) and its
 ratio to the raw write rate. After the first hsdata round every stored sample is read back and compared bit for
 bit with copies of the GPU tensors kept on the GPU.
 
-    python benchmarks/capture_bench.py --store /tmp/hs-capture --forwards 64 --rounds 2
+    python benchmarks/capture_bench.py --store /tmp/hs-capture --forwards 64 --rounds 2 [--compression zstd]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -138,6 +140,7 @@ def main() -> None:
     parser.add_argument("--forwards", type=int, default=64)
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--compression", choices=["zstd", "lz4"], help="also capture into a store of this compression")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
     model = build_model()
@@ -152,6 +155,8 @@ def main() -> None:
     produced = args.forwards * args.seq * token_nbytes
     times: dict[str, list] = {"none": [], "hsdata_forwards": [], "hsdata_committed": [], "raw_1_stream": [],
                               "raw_4_streams": []}
+    if args.compression:
+        times.update({f"hsdata_{args.compression}_forwards": [], f"hsdata_{args.compression}_committed": []})
     checked = 0
     for r in range(args.rounds):
         times["none"].append(run(model, batches, plan, lengths, None, None)[0])
@@ -165,6 +170,15 @@ def main() -> None:
             checked = check_every_sample(args.store, plan, keep)
             del keep
         shutil.rmtree(args.store, ignore_errors=True)
+        if args.compression:
+            c = args.compression
+            writer = hsdata.create(args.store, hidden_size=4096, aux_layers=AUX_LAYERS, model="random/llama-3-8b",
+                                   compression=c)
+            forwards, committed = run(model, batches, plan, lengths, Capture(writer), None)
+            times[f"hsdata_{c}_forwards"].append(forwards)
+            times[f"hsdata_{c}_committed"].append(committed)
+            compressed_size = sum(f.stat().st_size for f in Path(args.store).rglob("*") if f.is_file())
+            shutil.rmtree(args.store, ignore_errors=True)
         nbytes = stored_tokens * token_nbytes
         raw_dir = args.store.rstrip("/") + "-raw"
         times["raw_1_stream"].append(raw_write(raw_dir, nbytes, [1.0]))
@@ -185,6 +199,13 @@ def main() -> None:
                            "4_streams": stored / median["raw_4_streams"] / 1e9},
         "extraction_vs_raw_best": raw_best / median["hsdata_committed"],
     }
+    if args.compression:
+        c = args.compression
+        result[f"{c}_size"] = compressed_size / stored
+        result["tokens_per_s"][c] = args.forwards * args.seq / median[f"hsdata_{c}_forwards"]
+        result[f"throughput_lost_{c}"] = 1 - median["none"] / median[f"hsdata_{c}_forwards"]
+        result[f"extraction_GBps_{c}"] = stored / median[f"hsdata_{c}_committed"] / 1e9
+        result[f"extraction_{c}_vs_uncompressed"] = median["hsdata_committed"] / median[f"hsdata_{c}_committed"]
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
