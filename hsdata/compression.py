@@ -169,7 +169,6 @@ def blosc_streams(frame: memoryview, nbytes: int, cname: str = "zstd") -> BloscS
                                                                                                 targets, decoded)))
 
 
-
 def decode_into(data: memoryview, out: memoryview) -> None:
     """Decompress one blosc chunk (of any configuration: the frame says it) into ``out``, which it must fill
     exactly; ``ValueError`` saying why if ``data`` is not a blosc frame of that size (its header is read first,

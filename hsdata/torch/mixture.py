@@ -3,7 +3,7 @@ mosaicml-streaming's ``Stream``s are)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from torch.utils.data import Dataset
