@@ -168,9 +168,9 @@ def threads() -> None:
         print(f"{n} threads, a stream each: {6 * n * nbytes / total / 1e9:.1f} GB/s", flush=True)
 
 
-def host() -> None:
-    data, frames, spots, nbytes = eight_chunks()
-    out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def behind_queued_work(call) -> tuple[float, float]:
+    """Seconds ``call()`` takes with about half a second of GPU work queued before it on its stream, and how fast
+    another Python thread ran until that stream was done, against its rate alone (1.00: the GIL was free)."""
     count, stop = [0], [False]
 
     def spin() -> None:
@@ -184,15 +184,23 @@ def host() -> None:
     time.sleep(0.5)
     idle = (count[0] - before) / (time.perf_counter() - started)
     with torch.cuda.stream(torch.cuda.Stream()):
-        torch.cuda._sleep(int(1e9))  # about half a second of GPU time queued before the call
+        torch.cuda._sleep(int(1e9))
         before, started = count[0], time.perf_counter()
-        decoding.decode_zstd(data, frames, out, spots)
+        call()
         took = time.perf_counter() - started
-        busy = (count[0] - before) / took
+        torch.cuda.current_stream().synchronize()
+    busy = (count[0] - before) / (time.perf_counter() - started)
     stop[0] = True
     spinner.join()
-    print(f"a call behind queued work returned after {took * 1e3:.0f} ms; another Python thread ran "
-          f"{busy / idle:.2f} of its rate meanwhile", flush=True)
+    return took, busy / idle
+
+
+def host() -> None:
+    data, frames, spots, nbytes = eight_chunks()
+    out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    took, rate = behind_queued_work(lambda: decoding.decode_zstd(data, frames, out, spots))
+    print(f"a call behind queued work returned after {took * 1e3:.0f} ms; another Python thread ran {rate:.2f} of "
+          "its rate meanwhile", flush=True)
 
 
 class CApi:
@@ -280,30 +288,14 @@ def capi() -> None:
         print(f"C API, 8 chunks a call on {n} streams: {6 * n * 8 * nbytes / (time.perf_counter() - started) / 1e9:.1f}"
               " GB/s", flush=True)
     out = torch.empty(8 * nbytes, dtype=torch.uint8, device="cuda")
-    count, stop = [0], [False]
 
-    def spin() -> None:
-        while not stop[0]:
-            count[0] += 1
-
-    spinner = threading.Thread(target=spin)
-    spinner.start()
-    time.sleep(0.2)
-    before, started = count[0], time.perf_counter()
-    time.sleep(0.3)
-    idle = (count[0] - before) / (time.perf_counter() - started)
-    with torch.cuda.stream(torch.cuda.Stream()):
-        torch.cuda._sleep(int(1e9))
-        before, started = count[0], time.perf_counter()
+    def calls() -> None:
         for _ in range(20):
             api.decode(device, frames, out, spots)
-        took = time.perf_counter() - started
-        torch.cuda.current_stream().synchronize()
-    busy = (count[0] - before) / (time.perf_counter() - started)
-    stop[0] = True
-    spinner.join()
+
+    took, rate = behind_queued_work(calls)
     print(f"C API: 20 calls behind queued work returned after {took * 1e3:.1f} ms; another Python thread ran "
-          f"{busy / idle:.2f} of its rate until they were done", flush=True)
+          f"{rate:.2f} of its rate until they were done", flush=True)
 
 
 def main() -> None:
