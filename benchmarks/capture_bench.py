@@ -28,12 +28,12 @@ import os
 import shutil
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 import hsdata
+from dtype_bench import disk_bytes
 from hook_overhead_bench import AUX_LAYERS, build_model
 from hsdata.extract.capture import Capture, Piece
 
@@ -177,7 +177,7 @@ def main() -> None:
             forwards, committed = run(model, batches, plan, lengths, Capture(writer), None)
             times[f"hsdata_{c}_forwards"].append(forwards)
             times[f"hsdata_{c}_committed"].append(committed)
-            compressed_size = sum(f.stat().st_size for f in Path(args.store).rglob("*") if f.is_file())
+            compressed_size = disk_bytes(args.store)
             shutil.rmtree(args.store, ignore_errors=True)
         nbytes = stored_tokens * token_nbytes
         raw_dir = args.store.rstrip("/") + "-raw"
