@@ -6,16 +6,14 @@ Parts (``--parts``):
   kernel    time a call (CUDA events, decoding only) against the blosc block size of the chunks (activation-like
             states, 1 MiB chunks as hsdata writes them) and the chunks a call; then the same byte-shuffled planes
             cut into pieces of one size and compressed by nvCOMP's own encoder and by plain zstd at levels -1, -5
-            and 3, to tell what the time follows (the frames' sizes, or who wrote them);
+            and 3, to tell what the time follows (the frames' sizes, or who wrote them; nvCOMP's encoder is
+            its Python package's, ``nvidia-nvcomp-cu12`` or ``-cu13``);
   streams   calls of 8 chunks on 1-16 CUDA streams from one thread: do they decode at once?
   threads   the same from 1-32 threads, a stream each;
   host      does a call return before its stream's earlier work is done, and may other Python threads run
             while it waits (the GIL)?
-  capi      the same decoding through nvCOMP's C API (``nvcompBatchedZstdDecompressAsync`` by ctypes, which lets
-            go of the GIL; the pointer and size arrays made on the host and copied over): bit-exact against the
-            Python binding, host time a call, GB/s at 8-512 chunks a call and on 1-8 streams, and the GIL check.
 
-    python benchmarks/nvcomp_diagnose.py --parts kernel streams threads host capi
+    python benchmarks/nvcomp_diagnose.py --parts kernel streams threads host
 """
 
 from __future__ import annotations
@@ -203,103 +201,8 @@ def host() -> None:
           "its rate meanwhile", flush=True)
 
 
-class CApi:
-    """nvCOMP's batched zstd decoding through its C API (``nvcomp/zstd.h`` of nvCOMP 6): asynchronous, nothing
-    waited for on the host."""
-
-    def __init__(self):
-        import ctypes
-
-        from nvidia import libnvcomp
-
-        class Options(ctypes.Structure):  # nvcompBatchedZstdDecompressOpts_t
-            _fields_ = [("backend", ctypes.c_int), ("reserved", ctypes.c_char * 60)]
-
-        self.ctypes, self.options = ctypes, Options(0)
-        self.lib = libnvcomp.load_library()
-        size, pointer = ctypes.c_size_t, ctypes.c_void_p
-        self.lib.nvcompBatchedZstdDecompressGetTempSize.argtypes = [size, size, Options, ctypes.POINTER(size), size,
-                                                                    pointer]
-        self.lib.nvcompBatchedZstdDecompressAsync.argtypes = [pointer, pointer, pointer, pointer, size, pointer, size,
-                                                              pointer, Options, pointer, pointer]
-        self.lib.nvcompBatchedZstdDecompressGetTempSize.restype = ctypes.c_int
-        self.lib.nvcompBatchedZstdDecompressAsync.restype = ctypes.c_int
-
-    def decode(self, data: torch.Tensor, frames: tuple, out: torch.Tensor, spots: tuple):
-        """Queue the decoding of ``frames`` of ``data`` into ``spots`` of ``out`` on the current stream; returns
-        (statuses, decoded lengths), on the device."""
-        (offsets, sizes), (targets, lengths) = frames, spots
-        stream = torch.cuda.current_stream(data.device).cuda_stream
-        table = np.stack([data.data_ptr() + offsets, sizes, lengths, out.data_ptr() + targets]).astype(np.int64)
-        arrays = torch.from_numpy(table).pin_memory().to(data.device, non_blocking=True)
-        temp_bytes = self.ctypes.c_size_t()
-        status = self.lib.nvcompBatchedZstdDecompressGetTempSize(len(sizes), int(lengths.max()), self.options,
-                                                                  self.ctypes.byref(temp_bytes), int(lengths.sum()),
-                                                                  stream)
-        if status != 0:
-            raise RuntimeError(f"nvcompBatchedZstdDecompressGetTempSize: status {status}")
-        temp = torch.empty(max(1, temp_bytes.value), dtype=torch.uint8, device=data.device)
-        decoded = torch.empty(len(sizes), dtype=torch.int64, device=data.device)
-        statuses = torch.empty(len(sizes), dtype=torch.int32, device=data.device)
-        status = self.lib.nvcompBatchedZstdDecompressAsync(
-            arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr(), decoded.data_ptr(), len(sizes),
-            temp.data_ptr(), temp_bytes.value, arrays[3].data_ptr(), self.options, statuses.data_ptr(), stream)
-        if status != 0:
-            raise RuntimeError(f"nvcompBatchedZstdDecompressAsync: status {status}")
-        return statuses, decoded
-
-
-def capi() -> None:
-    api, pool = CApi(), chunks(16)
-    nbytes = pool[0].nbytes
-    for count in (8, 128, 512):
-        data, frames, spots = frames_of([pool[k % 16] for k in range(count)], 1 << 20)
-        device = torch.frombuffer(bytearray(data), dtype=torch.uint8).cuda()
-        want = torch.empty(int(spots[1].sum()), dtype=torch.uint8, device="cuda")
-        decoding.decode_zstd(device, frames, want, spots)
-        out = torch.zeros_like(want)
-        statuses, decoded = api.decode(device, frames, out, spots)
-        torch.cuda.synchronize()
-        exact = torch.equal(out, want) and not statuses.any() and decoded.cpu().numpy().tolist() == spots[1].tolist()
-        host, started = [], torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        started.record()
-        for _ in range(5):
-            t = time.perf_counter()
-            api.decode(device, frames, out, spots)
-            host.append(time.perf_counter() - t)
-        end.record()
-        torch.cuda.synchronize()
-        ms = started.elapsed_time(end) / 5
-        print(f"C API, {count} chunks a call: bit-exact {exact}, {ms:.2f} ms a call on the GPU "
-              f"({count * nbytes / ms / 1e6:.1f} GB/s), {np.median(host) * 1e3:.2f} ms on the host", flush=True)
-    data, frames, spots = frames_of(pool[:8], 1 << 20)
-    device = torch.frombuffer(bytearray(data), dtype=torch.uint8).cuda()
-    for n in (1, 2, 4, 8):
-        lanes = [torch.cuda.Stream() for _ in range(n)]
-        outs = [torch.empty(8 * nbytes, dtype=torch.uint8, device="cuda") for _ in range(n)]
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(6):
-            for lane, out in zip(lanes, outs):
-                with torch.cuda.stream(lane):
-                    api.decode(device, frames, out, spots)
-        torch.cuda.synchronize()
-        print(f"C API, 8 chunks a call on {n} streams: {6 * n * 8 * nbytes / (time.perf_counter() - started) / 1e9:.1f}"
-              " GB/s", flush=True)
-    out = torch.empty(8 * nbytes, dtype=torch.uint8, device="cuda")
-
-    def calls() -> None:
-        for _ in range(20):
-            api.decode(device, frames, out, spots)
-
-    took, rate = behind_queued_work(calls)
-    print(f"C API: 20 calls behind queued work returned after {took * 1e3:.1f} ms; another Python thread ran "
-          f"{rate:.2f} of its rate until they were done", flush=True)
-
-
 def main() -> None:
-    parts = {"kernel": kernel, "streams": streams, "threads": threads, "host": host, "capi": capi}
+    parts = {"kernel": kernel, "streams": streams, "threads": threads, "host": host}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", choices=list(parts), default=list(parts))
     args = parser.parse_args()

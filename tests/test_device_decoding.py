@@ -6,6 +6,7 @@ host's decoding in every layout, truncated, with workers, fp8; on a GPU by nvCOM
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import struct
 from types import SimpleNamespace
@@ -29,7 +30,8 @@ from test_compression import _rewrite_chunk
 from test_loader import LAYOUTS, assert_equal
 
 LENGTHS = [5 + (i * 37) % 140 for i in range(40)]
-CUDA_AND_NVCOMP = torch.cuda.is_available() and decoding.nvcomp_available()
+NVCOMP = decoding.nvcomp_available()
+CUDA_AND_NVCOMP = torch.cuda.is_available() and NVCOMP
 
 
 def _chunk(kind: str, nbytes: int, seed: int) -> np.ndarray:
@@ -191,6 +193,18 @@ def test_nvcomp_decodes_on_the_gpu_what_the_host_decodes(zstd_store, layout, wor
     for k, (g, w) in enumerate(zip(got, want)):
         assert g["hidden_states"].is_cuda
         assert_equal(g, w, f"batch {k}")
+
+
+@pytest.mark.skipif(not NVCOMP, reason="needs nvCOMP's library (hsdata[nvcomp-cu12] or [nvcomp-cu13])")
+def test_nvcomp_s_c_api_answers_as_its_header_declares():
+    """The ctypes declarations against the real library: its queries answer (no GPU needed), and a call with
+    null buffers is refused with nvcompErrorInvalidValue (10) rather than crashing."""
+    nvcomp = decoding.NvcompZstd()
+    assert nvcomp.alignment >= 1
+    temp = ctypes.c_size_t()
+    assert nvcomp._temp_size(8, 1 << 20, decoding._Options(), ctypes.byref(temp), 8 << 20, None) == 0
+    assert temp.value > 0
+    assert nvcomp._decompress(None, None, None, None, 1, None, 0, None, decoding._Options(), None, None) == 10
 
 
 def test_batches_are_bundled_until_they_hold_enough_decoded_bytes():

@@ -13,6 +13,8 @@ the frames' headers while the batch is read. :func:`decode` is the device's part
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import functools
 import threading
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from ..reader import EncodedRows
 from ..shard import CRC_NBYTES
 from ..spec import StoreSpec
 
-NVCOMP_PACKAGES = "'hsdata[nvcomp-cu12]' or 'hsdata[nvcomp-cu13]' (nvCOMP 6, matching torch.version.cuda)"
+NVCOMP_PACKAGES = "'hsdata[nvcomp-cu12]' or 'hsdata[nvcomp-cu13]' (nvCOMP 6's library, matching torch.version.cuda)"
 
 
 @dataclass
@@ -171,20 +173,15 @@ Streams = tuple[np.ndarray, np.ndarray]  # (offsets, sizes) of pieces of a buffe
 
 def decode_zstd(data: torch.Tensor, frames: Streams, out: torch.Tensor, spots: Streams) -> None:
     """Decode the zstd frames at ``frames`` (offsets, sizes) of ``data`` into ``spots`` (offsets, lengths) of
-    ``out``: by nvCOMP in one batched call on a CUDA device, by the CPU's zstd elsewhere."""
+    ``out``: by nvCOMP in one batched call queued on the current stream on a CUDA device (a failure is raised by
+    a later call or :func:`raise_failures`), by the CPU's zstd elsewhere."""
     if data.device.type == "cuda":
         nvcomp = _nvcomp()
-        stream = torch.cuda.current_stream(data.device).cuda_stream
-        codec = _codec(data.device, stream)
-
-        def batched(source: torch.Tensor, frames: Streams, decoded: torch.Tensor, spots: Streams) -> None:
-            codec.decode(nvcomp.as_arrays(source, *(a.tolist() for a in frames), cuda_stream=stream),
-                         out=nvcomp.as_arrays(decoded, *(a.tolist() for a in spots), cuda_stream=stream))
-
-        on_alignment(data, frames, out, spots, max(1, int(codec.get_required_decompression_alignment())), batched)
+        raise_failures()
+        on_alignment(data, frames, out, spots, nvcomp.alignment,
+                     lambda *buffers: _check_later(nvcomp.decode(*buffers)))
     else:
         cpu_zstd(data, frames, out, spots)
-
 
 
 def cpu_zstd(data: torch.Tensor, frames: Streams, out: torch.Tensor, spots: Streams) -> None:
@@ -227,45 +224,103 @@ def _aligned(buffer: torch.Tensor, pieces: Streams, align: int) -> tuple[torch.T
 
 
 def nvcomp_available() -> bool:
-    """Whether nvCOMP's Python package is installed (``from nvidia import nvcomp``)."""
+    """Whether nvCOMP's library is installed (the ``nvidia-libnvcomp`` wheel) and loads."""
     try:
         _nvcomp()
-    except ImportError:
+    except (ImportError, OSError):
         return False
     return True
 
 
 @functools.cache
-def _nvcomp():
-    """nvCOMP, its scratch memory taken from torch's caching allocator on the current stream (its own default
-    would allocate and free device memory per call, and a cudaFree waits for the whole device)."""
-    from nvidia import nvcomp
-
-    nvcomp.set_device_allocator(lambda nbytes, stream: _TorchMemory(nbytes))
-    return nvcomp
+def _nvcomp() -> NvcompZstd:
+    return NvcompZstd()
 
 
-class _TorchMemory:
-    """Device memory for nvCOMP from torch's caching allocator: freed (for reuse on its stream) when dropped."""
-
-    def __init__(self, nbytes: int):
-        self.tensor = torch.empty(max(1, nbytes), dtype=torch.uint8, device="cuda")
-        self.ptr = self.tensor.data_ptr()
+class _Options(ctypes.Structure):  # nvcompBatchedZstdDecompressOpts_t: the default backend, the rest zeroed
+    _fields_ = [("backend", ctypes.c_int), ("reserved", ctypes.c_char * 60)]
 
 
-_CODECS = threading.local()  # an nvCOMP codec is used by the thread that made it: one per thread and stream
+class _Alignments(ctypes.Structure):  # nvcompAlignmentRequirements_t
+    _fields_ = [("input", ctypes.c_size_t), ("output", ctypes.c_size_t), ("temp", ctypes.c_size_t)]
 
 
-def _codec(device: torch.device, stream: int):
-    nvcomp = _nvcomp()
-    codecs = getattr(_CODECS, "codecs", None)
-    if codecs is None:
-        codecs = _CODECS.codecs = {}
-    key = (device.index, stream)
-    if key not in codecs:
-        codecs[key] = nvcomp.Codec(algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, device_id=device.index,
-                                   cuda_stream=stream)
-    return codecs[key]
+class NvcompZstd:
+    """nvCOMP's batched zstd decompression through its C API (``nvcomp/zstd.h``, nvCOMP 6), loaded from the
+    ``nvidia-libnvcomp`` wheel. A call queues its work on the current stream and returns, and ctypes lets go of
+    the GIL meanwhile: nvCOMP's Python binding waits for its stream with the GIL held, which stalled every thread
+    of the process for about 10 ms a call (benchmarks/RESULTS.md, "Compression on the read path")."""
+
+    def __init__(self):
+        from nvidia import libnvcomp
+
+        library = libnvcomp.load_library()
+        if library is None:
+            raise ImportError("the nvidia-libnvcomp package did not load libnvcomp")
+        size, pointer = ctypes.c_size_t, ctypes.c_void_p
+        self._temp_size = library.nvcompBatchedZstdDecompressGetTempSize
+        self._temp_size.argtypes = [size, size, _Options, ctypes.POINTER(size), size, pointer]
+        self._decompress = library.nvcompBatchedZstdDecompressAsync
+        self._decompress.argtypes = [pointer, pointer, pointer, pointer, size, pointer, size, pointer, _Options,
+                                     pointer, pointer]
+        alignments = library.nvcompBatchedZstdDecompressGetRequiredAlignments
+        alignments.argtypes = [_Options, ctypes.POINTER(_Alignments)]
+        for function in (self._temp_size, self._decompress, alignments):
+            function.restype = ctypes.c_int
+        required = _Alignments()
+        _succeeded(alignments(_Options(), ctypes.byref(required)), "nvcompBatchedZstdDecompressGetRequiredAlignments")
+        self.alignment = max(1, required.input, required.output)  # (the scratch memory is torch's: 512-aligned)
+
+    def decode(self, data: torch.Tensor, frames: Streams, out: torch.Tensor, spots: Streams) -> torch.Tensor:
+        """Queue the decoding of the frames at ``frames`` of ``data`` into ``spots`` of ``out`` (each piece on
+        :attr:`alignment`) on the current stream; returns a bool on the device: whether any frame failed, or
+        decoded to another length."""
+        (offsets, sizes), (targets, lengths) = frames, spots
+        count, device = len(sizes), data.device
+        stream = torch.cuda.current_stream(device).cuda_stream
+        table = np.stack([data.data_ptr() + offsets, sizes, lengths, out.data_ptr() + targets]).astype(np.int64)
+        arrays = torch.from_numpy(table).pin_memory().to(device, non_blocking=True)  # pointers and sizes
+        temp_bytes = ctypes.c_size_t()
+        _succeeded(self._temp_size(count, int(lengths.max()), _Options(), ctypes.byref(temp_bytes), int(lengths.sum()),
+                                   stream), "nvcompBatchedZstdDecompressGetTempSize")
+        temp = torch.empty(max(1, temp_bytes.value), dtype=torch.uint8, device=device)
+        decoded = torch.empty(count, dtype=torch.int64, device=device)
+        statuses = torch.empty(count, dtype=torch.int32, device=device)
+        _succeeded(self._decompress(arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr(), decoded.data_ptr(),
+                                    count, temp.data_ptr(), temp_bytes.value, arrays[3].data_ptr(), _Options(),
+                                    statuses.data_ptr(), stream), "nvcompBatchedZstdDecompressAsync")
+        return statuses.ne(0).any() | decoded.ne(arrays[2]).any()
+
+
+def _succeeded(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} returned nvCOMP status {status}")
+
+
+_UNCHECKED: collections.deque[tuple[torch.cuda.Event, torch.Tensor]] = collections.deque()  # (done, failed)
+_UNCHECKED_LOCK = threading.Lock()
+
+
+def _check_later(failed: torch.Tensor) -> None:
+    """Note ``failed`` (a bool on the device, of work queued on the current stream) for :func:`raise_failures`."""
+    host = torch.empty(1, dtype=torch.bool, pin_memory=True)
+    host.copy_(failed.view(1), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    with _UNCHECKED_LOCK:
+        _UNCHECKED.append((done, host))
+
+
+def raise_failures(wait: bool = False) -> None:
+    """``CorruptDataError`` if a GPU decoding queued before failed: of those done, or (``wait``) of all of them."""
+    with _UNCHECKED_LOCK:
+        while _UNCHECKED and (wait or _UNCHECKED[0][0].query()):
+            done, failed = _UNCHECKED.popleft()
+            done.synchronize()
+            if failed.item():
+                _UNCHECKED.clear()
+                raise CorruptDataError("nvCOMP could not decode a zstd stream of a chunk that passed its crc32c, or "
+                                       "decoded it to another length than its blosc frame says")
 
 
 def decodable(spec: StoreSpec) -> str | None:

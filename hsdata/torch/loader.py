@@ -133,6 +133,8 @@ class Loader:
         for batch in batches:
             self._consumed += units.popleft()
             yield batch
+        if self.decode == "device":
+            decoding.raise_failures(wait=True)  # the last bundles' decoding, queued on the GPU, checked
 
     def _positions(self, units: collections.deque[int]) -> Iterator[list[int]]:
         """This pass's batches of dataset positions, each noting what it counts for the sampler."""
