@@ -286,9 +286,10 @@ class NvcompZstd:
         temp = torch.empty(max(1, temp_bytes.value), dtype=torch.uint8, device=device)
         decoded = torch.empty(count, dtype=torch.int64, device=device)
         statuses = torch.empty(count, dtype=torch.int32, device=device)
-        _succeeded(self._decompress(arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr(), decoded.data_ptr(),
-                                    count, temp.data_ptr(), temp_bytes.value, arrays[3].data_ptr(), _Options(),
-                                    statuses.data_ptr(), stream), "nvcompBatchedZstdDecompressAsync")
+        sources, sizes_at, lengths_at, targets_at = (row.data_ptr() for row in arrays)
+        _succeeded(self._decompress(sources, sizes_at, lengths_at, decoded.data_ptr(), count, temp.data_ptr(),
+                                    temp_bytes.value, targets_at, _Options(), statuses.data_ptr(), stream),
+                   "nvcompBatchedZstdDecompressAsync")
         return statuses.ne(0).any() | decoded.ne(arrays[2]).any()
 
 
