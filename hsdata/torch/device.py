@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import queue
 import threading
 from typing import Any, Callable, Iterable, Iterator
@@ -14,9 +15,11 @@ def to_device(batches: Iterable[Any], device: torch.device | str, *, ahead: int 
               transform: Callable[[Any], Any] | None = None) -> Iterator[Any]:
     """``batches`` (dicts, lists and tuples of tensors and other values) with every tensor moved to ``device``.
 
-    On a CUDA device a feeder thread takes the batches from ``batches`` and copies them on a side stream, so
+    On a CUDA device a feeder thread takes the batches from ``batches`` and copies them on side streams, so
     waiting for a batch (its reads, a worker) and issuing its copies happen while the step runs, and the copies
-    run on the copy engine; the step's stream waits for batch ``k``'s copy (nothing on the host does). The GPU
+    run on the copy engine; the step's stream waits for batch ``k``'s copy (nothing on the host does). Each of
+    the ``ahead + 1`` batches the GPU may hold has a side stream of its own, so one batch's ``transform`` (a
+    bundle's decoding, say) does not hold back the next one's copy. The GPU
     holds the batch in use plus up to ``ahead`` more; the host keeps each batch until its copy is done, so pinned
     buffers (``Loader``'s) are reused only then. Copies from pinned memory are asynchronous; from pageable memory
     CUDA stages them, which is correct but slower. Any other device: each batch is moved as it comes.
@@ -42,6 +45,7 @@ class _CudaPrefetch:
                  transform: Callable[[Any], Any] | None):
         self._batches, self._device, self._transform = batches, device, transform
         self._slots = threading.Semaphore(ahead + 1)
+        self._streams = ahead + 1
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # (moved, copied), _END or a _Failure
         self._stop = threading.Event()
 
@@ -70,9 +74,11 @@ class _CudaPrefetch:
     def _feed(self) -> None:
         copying: collections.deque[tuple[Any, torch.cuda.Event]] = collections.deque()  # host batches being read
         with torch.cuda.device(self._device):
-            stream = torch.cuda.Stream(self._device)
+            streams = [torch.cuda.Stream(self._device) for _ in range(self._streams)]
             try:
-                while self._take_slot():
+                for stream in itertools.cycle(streams):
+                    if not self._take_slot():
+                        break
                     host = next(self._batches, _END)
                     if host is _END:
                         break
@@ -92,7 +98,8 @@ class _CudaPrefetch:
             except BaseException as error:  # the loop raises it
                 self._ready.put(_Failure(error))
             finally:
-                stream.synchronize()  # no copy may outlive the host buffers it reads
+                for stream in streams:  # no copy may outlive the host buffers it reads
+                    stream.synchronize()
                 copying.clear()
                 close = getattr(self._batches, "close", None)
                 if close is not None:
