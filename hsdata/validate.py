@@ -30,7 +30,8 @@ from .layout import (MANIFESTS, PARTS, array_document, array_node, group_documen
                      part_node, read_document, shard_key)
 from .masks import MASKS
 from .removals import REMOVALS
-from .compression import blosc_streams, decode_into, device_decodable
+from .blosc import blosc_streams, decode_into
+from .compression import device_decodable
 from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, encoded_chunk_nbytes, index_nbytes, index_spans,
                     token_ranges)
 from .spec import HIDDEN_TENSORS, MAX_INPUT_ID, TENSOR_NAMES, StoreSpec, TensorSpec
@@ -448,9 +449,9 @@ class _StreamCheck:
             self._add("values", f"{self.tensor.name} holds {self._bad_value}, outside [0, {self._limit})",
                       None, samples=self._bad_values)
         unhashed = {r.sample_id for r in self.rows if r.hashes[self.tensor.name] is None}
-        for what, key, byte_range, affected, undecoded in self._bad_chunk_problems:
+        for what, key, byte_range, affected, lost in self._bad_chunk_problems:
             damaged = [s for s in affected if s in self._hash_failed or s in self._broken or s in unhashed]
-            message = _bad_chunk_message(what, affected, damaged, undecoded)
+            message = _bad_chunk_message(what, affected, damaged, lost)
             if damaged:  # its xxh3 differs, or cannot say (the chunk does not decode, the tensor has no hash)
                 self._add("checksum", message, key, byte_range, damaged)
             else:  # every sample reads back intact: nothing to repair, nothing training would see
@@ -504,9 +505,9 @@ class _StreamCheck:
             what = f"chunk {bad_chunks[0]}" if len(bad_chunks) == 1 else \
                 f"{len(bad_chunks):,} chunks ({', '.join(map(str, bad_chunks[:5]))}{', ...' if len(bad_chunks) > 5 else ''})"
             affected = {r.sample_id: r for j in bad_chunks for r in self._rows_in(base + j * ct, base + (j + 1) * ct)}
-            undecoded = sum(1 for j, _ in undecodable if j in bad_chunks)
+            lost = len(bad_chunks) if self._compressed else 0
             self._bad_chunk_problems.append((what, key, (int(spans[bad_chunks[0], 0]), int(spans[bad_chunks[-1]].sum())),
-                                             list(affected), undecoded))
+                                             list(affected), lost))
             undecodable = [(j, why) for j, why in undecodable if j not in bad_chunks]
         if undecodable:
             (j, why), more = undecodable[0], f" (and {len(undecodable) - 1} more chunks)" if len(undecodable) > 1 else ""
@@ -544,9 +545,10 @@ class _StreamCheck:
             stored = int.from_bytes(view[at + encoded - CRC_NBYTES : at + encoded], "little")
             t0, t1 = base + j * ct, base + (j + 1) * ct
             intact = crc32c(data) == stored
-            if not intact:  # its samples' xxh3 tell which of them the damage hits
-                bad_chunks.append(j)
-                self._in_bad_chunks.update(r.sample_id for r in self._rows_in(t0, t1))
+            if not intact:  # its samples' xxh3 tell which of them the damage hits; readers refuse a compressed
+                bad_chunks.append(j)  # chunk whole (section 5b), so all its samples are lost
+                hit = self._broken if self._compressed else self._in_bad_chunks
+                hit.update(r.sample_id for r in self._rows_in(t0, t1))
             if self._compressed:
                 data, why = self._decompressed(data)
                 if why is not None:  # its samples' bytes are lost
@@ -646,8 +648,9 @@ class _StreamCheck:
         self._add(kind, message, key, byte_range, [r.sample_id for r in rows])
 
 
-def _bad_chunk_message(what: str, affected: list[str], damaged: list[str], undecoded: int) -> str:
-    """What a crc32c failure damages: the samples named (a few, then a count), or none."""
+def _bad_chunk_message(what: str, affected: list[str], damaged: list[str], lost: int) -> str:
+    """What a crc32c failure damages: the samples named (a few, then a count), or none; ``lost``: how many of the
+    chunks are compressed ones, which readers refuse whole."""
     if not damaged:
         return (f"crc32c mismatch in {what}, but no committed sample's bytes are damaged (the {len(affected):,} "
                 f"samples it holds read back intact by their xxh3: the damage lies in padding, an unused tail or a "
@@ -655,9 +658,11 @@ def _bad_chunk_message(what: str, affected: list[str], damaged: list[str], undec
     named = ", ".join(repr(s) for s in damaged[:NAMED_SAMPLES])
     more = f" and {len(damaged) - NAMED_SAMPLES:,} more" if len(damaged) > NAMED_SAMPLES else ""
     intact = len(affected) - len(damaged)
-    lost = f"; {undecoded} of the chunks do not decompress, so all their samples are lost" if undecoded else ""
+    chunks = "it" if lost == 1 else f"those {lost:,} chunks"
+    whole = f"; readers refuse a compressed chunk that fails its crc32c, so all samples of {chunks} are lost" if lost \
+        else ""
     return (f"crc32c mismatch in {what}: damages sample{'s' if len(damaged) > 1 else ''} {named}{more}"
-            f"{f' ({intact:,} other samples in it intact)' if intact else ''}{lost}")
+            f"{f' ({intact:,} other samples in it intact)' if intact else ''}{whole}")
 
 
 def _leftovers(spec: StoreSpec, rows: _Rows, found: list[str]) -> list[str]:

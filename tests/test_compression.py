@@ -1,5 +1,5 @@
-"""Compressed stores (format version 3): bit-exact reads, plain zarr and tensorstore, validate, joining, hostile
-chunks and indexes, remote and DataLoader-worker reads."""
+"""Compressed stores (format version 3): incompressible chunks, bit-exact reads, plain zarr and tensorstore,
+validate, joining, hostile chunks and indexes, remote and DataLoader-worker reads."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import struct
 
+import numcodecs.blosc
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -15,6 +16,7 @@ import zarr
 from crc32c import crc32c
 
 import hsdata
+from hsdata.blosc import MEMCPYED
 from hsdata.compression import PRESETS, Compression
 from hsdata.layout import shard_key
 from hsdata.shard import chunks_per_shard, decode_index, index_nbytes
@@ -56,6 +58,13 @@ def test_compressed_store_reads_back_bit_exact_and_is_smaller(tmp_path, ragged_s
     assert disk_bytes(tmp_path / "packed") < 0.9 * disk_bytes(tmp_path / "plain")
     report = validate(str(tmp_path / "packed"))
     assert report.ok and report.samples_checked == len(ragged_samples), report.problems
+
+
+def test_an_incompressible_chunk_is_stored_as_a_copied_frame():
+    chunk = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    frame = PRESETS["zstd"].codec(2).encode(chunk)
+    assert len(frame) == 16 + chunk.nbytes and frame[2] & MEMCPYED
+    assert bytes(numcodecs.blosc.decompress(frame)) == chunk.tobytes()
 
 
 def test_ranges_cut_at_chunk_boundaries_read_back_exact(tmp_path, ragged_samples):

@@ -19,7 +19,8 @@ from crc32c import crc32c
 
 import hsdata
 from conftest import SMALL_LAYOUT, SPEC, make_sample
-from hsdata.compression import Compression, blosc_streams
+from hsdata.blosc import blosc_streams
+from hsdata.compression import Compression
 from hsdata.reader import EncodedRows
 from hsdata.shard import ChunkRun
 from hsdata.spec import TensorSpec

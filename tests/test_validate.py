@@ -15,6 +15,7 @@ import torch
 import hsdata
 from conftest import SPEC, assert_same, make_sample, write_store
 from hsdata import masks
+from hsdata.errors import CorruptDataError
 from hsdata.io.storage import Storage
 from hsdata.layout import shard_key
 from hsdata.shard import encoded_chunk_nbytes, index_nbytes, chunks_per_shard
@@ -299,7 +300,8 @@ def test_a_root_claiming_another_dtype_than_the_files_hold_is_reported_not_crash
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_a_damaged_chunk_names_only_the_samples_it_hits(tmp_path, capsys, compression):
     """24 samples share a chunk; a byte flipped in one of them is reported as that sample alone, so the repair
-    (hsdata remove) keeps the other 23; a chunk that does not decompress loses all it holds, and says so."""
+    (hsdata remove) keeps the other 23; a compressed chunk failing its crc32c loses all it holds (readers refuse
+    it whole, whether or not it still decompresses), and says so."""
     from hsdata.cli import main
 
     path = tmp_path / "s"
@@ -327,9 +329,12 @@ def test_a_damaged_chunk_names_only_the_samples_it_hits(tmp_path, capsys, compre
         assert validate(str(path)).ok and len(hsdata.open(str(path))) == 23
     else:
         assert problem.kind == "checksum" and problem.message.startswith("crc32c mismatch in chunk 0: damages")
-        assert set(problem.samples) <= {f"demo-{i:03d}" for i in range(24)} and problem.samples
-        hit = set(problem.samples)
-        for sample_id in (f"demo-{i:03d}" for i in range(24)):
-            if sample_id not in hit:
-                hsdata.open(str(path)).get(sample_id)  # the others read
-    assert main(["validate", str(path), "--json"]) == (0 if compression is None else 1)
+        assert problem.message.endswith("readers refuse a compressed chunk that fails its crc32c, so all samples of "
+                                        "it are lost")
+        assert set(problem.samples) == {f"demo-{i:03d}" for i in range(24)}
+        with pytest.raises(CorruptDataError, match="fails its crc32c"):
+            hsdata.open(str(path)).get("demo-000")
+        assert main(["remove", str(path), *problem.samples]) == 0
+        capsys.readouterr()
+        assert validate(str(path)).ok and len(hsdata.open(str(path))) == 0
+    assert main(["validate", str(path), "--json"]) == 0

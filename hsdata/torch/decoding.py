@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..compression import blosc_streams, device_decodable
+from ..blosc import blosc_streams
+from ..compression import device_decodable
 from ..errors import CorruptDataError
 from ..reader import EncodedRows
 from ..shard import CRC_NBYTES
