@@ -508,7 +508,6 @@ class _StreamCheck:
             lost = len(bad_chunks) if self._compressed else 0
             self._bad_chunk_problems.append((what, key, (int(spans[bad_chunks[0], 0]), int(spans[bad_chunks[-1]].sum())),
                                              list(affected), lost))
-            undecodable = [(j, why) for j, why in undecodable if j not in bad_chunks]
         if undecodable:
             (j, why), more = undecodable[0], f" (and {len(undecodable) - 1} more chunks)" if len(undecodable) > 1 else ""
             affected = {r.sample_id: r for j, _ in undecodable for r in self._rows_in(base + j * ct, base + (j + 1) * ct)}
@@ -545,11 +544,14 @@ class _StreamCheck:
             stored = int.from_bytes(view[at + encoded - CRC_NBYTES : at + encoded], "little")
             t0, t1 = base + j * ct, base + (j + 1) * ct
             intact = crc32c(data) == stored
-            if not intact:  # its samples' xxh3 tell which of them the damage hits; readers refuse a compressed
-                bad_chunks.append(j)  # chunk whole (section 5b), so all its samples are lost
-                hit = self._broken if self._compressed else self._in_bad_chunks
-                hit.update(r.sample_id for r in self._rows_in(t0, t1))
-            if self._compressed:
+            if not intact:  # in an uncompressed chunk its samples' xxh3 tell which of them the damage hits;
+                bad_chunks.append(j)  # readers refuse a compressed one whole (section 5b): all its samples are lost
+                if self._compressed:
+                    self._broken.update(r.sample_id for r in self._rows_in(t0, t1))
+                    data = self._zeros()
+                else:
+                    self._in_bad_chunks.update(r.sample_id for r in self._rows_in(t0, t1))
+            elif self._compressed:
                 data, why = self._decompressed(data)
                 if why is not None:  # its samples' bytes are lost
                     undecodable.append((j, why))
@@ -560,14 +562,11 @@ class _StreamCheck:
                 self.progress(payload)
 
     def _decompressed(self, data: memoryview) -> tuple[memoryview, str | None]:
-        """A compressed chunk's payload (zeros if it does not decompress), and why it does not (None: it does;
-        a chunk failing its crc32c is decoded too, bounded by the codec's checks, so that its samples' xxh3 can
-        say which are hit). The payload is this checker's one chunk buffer, valid until the next call (a fresh one
-        per chunk paid its page faults)."""
-        if self._chunk is None:
-            self._chunk = memoryview(bytearray(self.tensor.chunk_nbytes))
+        """A compressed chunk's payload (zeros if it does not decompress), and why it does not (None: it does).
+        The payload is this checker's one chunk buffer, valid until the next call (a fresh one per chunk paid its
+        page faults)."""
         try:
-            decode_into(data, self._chunk)
+            decode_into(data, self._buffer())
             if self._streams:  # what a device decoder reads of it (docs/format.md section 5c)
                 blosc_streams(data, self.tensor.chunk_nbytes)
         except ValueError as e:
@@ -575,7 +574,12 @@ class _StreamCheck:
         return self._chunk, None
 
     def _zeros(self) -> memoryview:
-        self._chunk[:] = bytes(self.tensor.chunk_nbytes)
+        self._buffer()[:] = bytes(self.tensor.chunk_nbytes)
+        return self._chunk
+
+    def _buffer(self) -> memoryview:
+        if self._chunk is None:
+            self._chunk = memoryview(bytearray(self.tensor.chunk_nbytes))
         return self._chunk
 
     def _feed(self, data: memoryview, t0: int, t1: int) -> None:
