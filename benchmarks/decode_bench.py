@@ -77,7 +77,7 @@ def gpu_rows(chunks: list[np.ndarray], tensor, counts: list[int], blocksizes: li
             nbytes = count * chunks[0].nbytes
             run = ChunkRun(0, 0, tuple(len(f) + 4 for f in picked), 0, nbytes)
             host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            states = decoding.EncodedStates.of_rows(EncodedRows(host, (run,), tensor))
+            states = decoding.EncodedStates.of_samples(host, [(0, EncodedRows(host, (run,), tensor))])
             device = host.cuda()
             want = np.concatenate([chunks[k % len(chunks)] for k in range(count)])
             assert np.array_equal(decoding.decode(states, device).cpu().numpy(), want), (blocksize, count)

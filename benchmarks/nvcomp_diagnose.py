@@ -45,12 +45,11 @@ def frames_of(chunk_list: list[np.ndarray], blocksize: int) -> tuple[bytes, tupl
     """The chunks' blosc frames end to end, and their zstd streams: (offsets, sizes), (targets, lengths)."""
     codec = Compression("zstd", 1, "shuffle", blocksize).codec(2)
     frames = [codec.encode(c) for c in chunk_list]
-    streams = [blosc_streams(memoryview(f), c.nbytes) for f, c in zip(frames, chunk_list)]
-    starts = np.cumsum([0] + [len(f) for f in frames])[:-1]
-    coded = [(o + s0, n, length) for s, s0 in zip(streams, starts)
-             for o, n, length in zip(s.offsets, s.sizes, s.lengths) if n != length]
-    offsets, sizes, lengths = (np.array(v, np.int64) for v in zip(*coded))
-    return b"".join(frames), (offsets, sizes), (np.cumsum(lengths) - lengths, lengths)
+    sizes = np.array([len(f) for f in frames], np.int64)
+    streams = blosc_streams(b"".join(frames), chunk_list[0].nbytes, (np.cumsum(sizes) - sizes, sizes))
+    coded = streams.sizes != streams.lengths
+    lengths = streams.lengths[coded]
+    return b"".join(frames), (streams.offsets[coded], streams.sizes[coded]), (np.cumsum(lengths) - lengths, lengths)
 
 
 def kernel_ms(data: bytes, frames: tuple, spots: tuple, reps: int = 5) -> float:

@@ -126,7 +126,7 @@ def main() -> None:
     report["store"] = {"answered": len(sent), "stored": len(stored), "lost": len(sent - stored),
                        "not_sent": len(stored - sent), "valid": validate(str(store)).ok}
     hooked, plain = report["servers"]["with hook"], report["servers"]["without hook"]
-    print(f"\n| server | requests | req/s | p50 ms | p99 ms | errors |\n|---|---:|---:|---:|---:|---:|")
+    print("\n| server | requests | req/s | p50 ms | p99 ms | errors |\n|---|---:|---:|---:|---:|---:|")
     for name, r in report["servers"].items():
         print(f"| {name} | {r['requests']} | {r['requests_per_s']:.1f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
               f"{r['errors']} |")

@@ -17,75 +17,119 @@ ZSTD_FORMAT = 4  # flags >> 5: the codec of every stream of the frame
 MAX_SPLITS, MIN_BUFFERSIZE = 16, 128  # blosc1: a block is split into typesize streams when neither flag forbids
 
 
+class FrameError(ValueError):
+    """A frame :func:`blosc_streams` cannot read, and why; ``frame`` is its index among the frames given."""
+
+    def __init__(self, frame: int, why: str):
+        super().__init__(why)
+        self.frame = frame
+
+
 @dataclass(frozen=True)
 class BloscStreams:
-    """Where the compressed streams of one blosc frame lie and what each decodes to: what a decoder other than
-    blosc (zstd on a GPU) needs to decode the frame (docs/format.md section 5c). Decoding each stream into
+    """Where the compressed streams of blosc frames lie and what each decodes to: what a decoder other than blosc
+    (zstd on a GPU) needs to decode the frames (docs/format.md section 5c). Decoding each stream into its frame's
     ``targets`` (one as long as its decoded bytes is copied as it is) gives the frame's blocks, each still
-    byte-shuffled when ``shuffled``: block ``k`` (``blocksize`` bytes, the last one shorter) holds its items' byte
-    0s, then their byte 1s, ... (``typesize`` bytes an item; a last block's trailing ``len % typesize`` bytes are
-    not shuffled). A ``memcpyed`` frame holds its ``nbytes`` as they are after the header (one raw stream, never
-    shuffled)."""
+    byte-shuffled when the frame is ``shuffled``: block ``k`` (``blocksize`` bytes, the last one shorter) holds its
+    items' byte 0s, then their byte 1s, ... (``typesize`` bytes an item; a last block's trailing
+    ``len % typesize`` bytes are not shuffled). A ``memcpyed`` frame holds its ``nbytes`` as they are after the
+    header (one raw stream, never shuffled). Streams are in the order of their frames, then of their targets."""
 
-    typesize: int
-    nbytes: int
-    blocksize: int
-    shuffled: bool
-    offsets: np.ndarray  # int64: each stream's first byte in the frame
-    sizes: np.ndarray  # int64: its bytes in the frame
-    targets: np.ndarray  # int64: where its decoded bytes go in the frame's (shuffled) blocks
-    lengths: np.ndarray  # int64: its decoded bytes; a stream as long as that is stored as it is (raw)
+    typesizes: np.ndarray  # int64 [f]: each frame's
+    blocksizes: np.ndarray  # int64 [f]
+    shuffled: np.ndarray  # bool [f]
+    frames: np.ndarray  # int64 [s]: each stream's frame
+    offsets: np.ndarray  # int64 [s]: its first byte in the buffer given
+    sizes: np.ndarray  # int64 [s]: its bytes there
+    targets: np.ndarray  # int64 [s]: where its decoded bytes go in its frame's (shuffled) blocks
+    lengths: np.ndarray  # int64 [s]: its decoded bytes; a stream as long as that is stored as it is (raw)
 
 
-def blosc_streams(frame: memoryview, nbytes: int, cname: str = "zstd") -> BloscStreams:
-    """The streams of a blosc1 ``frame`` that decompresses to ``nbytes``, each compressed with ``cname`` (zstd:
-    one standard zstd frame a stream) or stored raw; ``ValueError`` saying why if ``frame`` is not such a frame
-    (every offset is checked to lie inside it). Mirrors c-blosc 1.x's ``blosc_d``."""
+def blosc_streams(data, nbytes: int, frames: tuple[np.ndarray, np.ndarray] | None = None,
+                  cname: str = "zstd") -> BloscStreams:
+    """The streams of the blosc1 frames at ``frames`` (offsets, sizes; default: all of ``data`` is one frame) of
+    ``data`` (bytes-like), each decompressing to ``nbytes`` and each stream compressed with ``cname`` (zstd: one
+    standard zstd frame a stream) or stored raw. :class:`FrameError` naming the first frame found that is not
+    such a frame, and why (every offset is checked to lie inside its frame). Mirrors c-blosc 1.x's ``blosc_d``,
+    on all frames at once."""
     if cname != "zstd":
         raise ValueError(f"streams of blosc {cname} frames are not supported, only zstd")
-    if frame.nbytes < BLOSC_HEADER.size:
-        raise ValueError(f"{frame.nbytes} bytes are too short for a blosc header ({BLOSC_HEADER.size})")
-    version, _, flags, typesize, total, blocksize, cbytes = BLOSC_HEADER.unpack_from(frame)
-    if cbytes != frame.nbytes or total != nbytes:
-        raise ValueError(f"its blosc header says {cbytes} bytes decompressing to {total}, the frame holds "
-                         f"{frame.nbytes} and should decompress to {nbytes}")
-    if version not in BLOSC_VERSIONS or flags & (BITSHUFFLED | DELTA) or typesize < 1:
-        raise ValueError(f"blosc frame version {version}, flags {flags:#04x}, typesize {typesize}: not a blosc1 "
-                         "frame with byte shuffle or none")
-    shuffled = bool(flags & SHUFFLED) and typesize > 1
-    if flags & MEMCPYED:
-        if cbytes != BLOSC_HEADER.size + total:
-            raise ValueError(f"a copied blosc frame of {total} bytes must hold {BLOSC_HEADER.size + total}")
-        one = np.array([total], np.int64)
-        return BloscStreams(typesize, total, max(1, total), False, np.array([BLOSC_HEADER.size], np.int64), one,
-                            np.zeros(1, np.int64), one)
-    if flags >> 5 != ZSTD_FORMAT:
-        raise ValueError(f"blosc frame of codec format {flags >> 5}, not zstd ({ZSTD_FORMAT})")
-    if blocksize < 1 or (blocksize < total and blocksize % typesize):
-        raise ValueError(f"blosc frame of block size {blocksize} (typesize {typesize})")
-    blocks = -(-total // blocksize)
-    if BLOSC_HEADER.size + 4 * blocks > cbytes:
-        raise ValueError(f"blosc frame of {cbytes} bytes cannot hold the starts of its {blocks} blocks")
-    starts = np.frombuffer(frame, "<i4", blocks, BLOSC_HEADER.size).astype(np.int64)
-    offsets, sizes, targets, decoded = [], [], [], []
-    for k, start in enumerate(starts.tolist()):
-        block = min(blocksize, total - k * blocksize)
-        splits = typesize if (not flags & DONT_SPLIT and typesize <= MAX_SPLITS and blocksize // typesize >=
-                              MIN_BUFFERSIZE and block == blocksize) else 1
-        position, size = start, block // splits
-        for j in range(splits):
-            if not 0 <= position <= cbytes - 4:
-                raise ValueError(f"block {k} of the blosc frame starts outside it")
-            (n,) = struct.unpack_from("<i", frame, position)
-            if not 0 <= n <= cbytes - position - 4:
-                raise ValueError(f"block {k} of the blosc frame runs past its end")
-            offsets.append(position + 4)
-            sizes.append(n)
-            targets.append(k * blocksize + j * size)
-            decoded.append(size)
-            position += 4 + n
-    return BloscStreams(typesize, total, blocksize, shuffled, *(np.array(v, np.int64) for v in (offsets, sizes,
-                                                                                                targets, decoded)))
+    buffer = np.frombuffer(data, np.uint8)
+    starts, cbytes = (np.zeros(1, np.int64), np.array([len(buffer)], np.int64)) if frames is None else (
+        np.asarray(frames[0], np.int64), np.asarray(frames[1], np.int64))
+    _refuse((starts < 0) | (starts + cbytes > len(buffer)), None,
+            lambda i: f"a frame of {cbytes[i]} bytes at {starts[i]} lies outside the {len(buffer)} bytes given")
+    _refuse(cbytes < BLOSC_HEADER.size, None,
+            lambda i: f"{cbytes[i]} bytes are too short for a blosc header ({BLOSC_HEADER.size})")
+    header = buffer[starts[:, None] + np.arange(BLOSC_HEADER.size)]
+    version, flags, typesize = (header[:, k].astype(np.int64) for k in (0, 2, 3))
+    total, blocksize, said = header[:, 4:].copy().view("<u4").T.astype(np.int64)
+    _refuse((said != cbytes) | (total != nbytes), None, lambda i: f"its blosc header says {said[i]} bytes "
+            f"decompressing to {total[i]}, the frame holds {cbytes[i]} and should decompress to {nbytes}")
+    _refuse((version < min(BLOSC_VERSIONS)) | (version > max(BLOSC_VERSIONS)) | (flags & (BITSHUFFLED | DELTA) != 0)
+            | (typesize < 1), None,
+            lambda i: f"blosc frame version {version[i]}, flags {flags[i]:#04x}, typesize {typesize[i]}: not a "
+            "blosc1 frame with byte shuffle or none")
+    copied = flags & MEMCPYED != 0
+    _refuse(copied & (cbytes != BLOSC_HEADER.size + total), None,
+            lambda i: f"a copied blosc frame of {total[i]} bytes must hold {BLOSC_HEADER.size + total[i]}")
+    _refuse(~copied & (flags >> 5 != ZSTD_FORMAT), None,
+            lambda i: f"blosc frame of codec format {flags[i] >> 5}, not zstd ({ZSTD_FORMAT})")
+    _refuse(~copied & ((blocksize < 1) | (blocksize < total) & (blocksize % typesize != 0)), None,
+            lambda i: f"blosc frame of block size {blocksize[i]} (typesize {typesize[i]})")
+    blocks = np.where(copied, 0, -(-total // np.maximum(blocksize, 1)))
+    _refuse(BLOSC_HEADER.size + 4 * blocks > cbytes, None,
+            lambda i: f"blosc frame of {cbytes[i]} bytes cannot hold the starts of its {blocks[i]} blocks")
+    streams = _coded_streams(buffer, starts, cbytes, flags, typesize, total, blocksize, blocks)
+    if copied.any():  # a copied frame: one raw stream after the header
+        raw = np.flatnonzero(copied)
+        streams = [np.concatenate(v) for v in zip(streams, (raw, starts[raw] + BLOSC_HEADER.size, total[raw],
+                                                            np.zeros(len(raw), np.int64), total[raw]))]
+        order = np.argsort(streams[0], kind="stable")
+        streams = [v[order] for v in streams]
+    shuffled = (flags & SHUFFLED != 0) & (typesize > 1) & ~copied
+    return BloscStreams(typesize, np.where(copied, np.maximum(total, 1), blocksize), shuffled, *streams)
+
+
+def _coded_streams(buffer: np.ndarray, starts: np.ndarray, cbytes: np.ndarray, flags: np.ndarray,
+                   typesize: np.ndarray, total: np.ndarray, blocksize: np.ndarray, blocks: np.ndarray) -> tuple:
+    """(frames, offsets, sizes, targets, lengths) of the streams of the frames' ``blocks`` blocks, in order: a
+    block's start is read from the table after its frame's header, then its ``splits`` streams one after the
+    other (each a 4-byte length, then its bytes), all blocks at once."""
+    frame = np.repeat(np.arange(len(starts)), blocks)
+    k = np.arange(len(frame)) - np.repeat(np.cumsum(blocks) - blocks, blocks)  # the block's index in its frame
+    base, limit, size, items = starts[frame], cbytes[frame], blocksize[frame], typesize[frame]
+    block = np.minimum(size, total[frame] - k * size)
+    splits = np.where((flags[frame] & DONT_SPLIT == 0) & (items <= MAX_SPLITS) & (size // items >= MIN_BUFFERSIZE)
+                      & (block == size), items, 1)
+    position = _int32s(buffer, base + BLOSC_HEADER.size + 4 * k)
+    width = int(splits.max(initial=0))
+    offsets, sizes = np.zeros((len(frame), width), np.int64), np.zeros((len(frame), width), np.int64)
+    for j in range(width):
+        at = np.flatnonzero(splits > j)
+        p = position[at]
+        _refuse((p < 0) | (p > limit[at] - 4), frame[at], lambda i: f"block {k[at][i]} of the blosc frame starts "
+                "outside it")
+        n = _int32s(buffer, base[at] + p)
+        _refuse((n < 0) | (n > limit[at] - p - 4), frame[at], lambda i: f"block {k[at][i]} of the blosc frame runs "
+                "past its end")
+        offsets[at, j], sizes[at, j] = base[at] + p + 4, n
+        position[at] = p + 4 + n
+    each, length = np.arange(width) < splits[:, None], block // splits
+    targets = (k * size)[:, None] + np.arange(width) * length[:, None]
+    return np.repeat(frame, splits), offsets[each], sizes[each], targets[each], np.repeat(length, splits)
+
+
+def _int32s(buffer: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The little-endian int32s at byte offsets ``at`` of ``buffer``, as int64."""
+    return buffer[at[:, None] + np.arange(4)].view("<i4")[:, 0].astype(np.int64)
+
+
+def _refuse(bad: np.ndarray, frames: np.ndarray | None, why) -> None:
+    """:class:`FrameError` for the first of ``bad`` (frames, or items of ``frames``), saying ``why(its index)``."""
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise FrameError(i if frames is None else int(frames[i]), why(i))
 
 
 def decode_into(data: memoryview, out: memoryview) -> None:

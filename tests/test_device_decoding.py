@@ -61,13 +61,49 @@ def test_blosc_frames_decode_through_their_streams_as_blosc_decodes_them(typesiz
     frames = [codec.encode(c) for c in chunks]
     for frame, chunk in zip(frames, chunks):
         streams = blosc_streams(memoryview(frame), nbytes)
-        assert streams.typesize == typesize and streams.lengths.sum() == nbytes
+        assert streams.typesizes.tolist() == [typesize] and streams.lengths.sum() == nbytes
     skip = nbytes // 3
     run = ChunkRun(0, 0, tuple(len(f) + 4 for f in frames), skip, 2 * nbytes + nbytes // 2 - skip)
     data = torch.frombuffer(bytearray(b"".join(f + struct.pack("<I", crc32c(f)) for f in frames)), dtype=torch.uint8)
-    states = decoding.EncodedStates.of_rows(EncodedRows(data, (run,), tensor))
+    states = decoding.EncodedStates.of_samples(data, [(0, EncodedRows(data, (run,), tensor))])
     want = np.concatenate(chunks)[skip : skip + run.nbytes]
     assert np.array_equal(decoding.decode(states, data).numpy(), want)
+
+
+def test_frames_parsed_together_give_each_frame_s_streams():
+    """Frames of every kind (copied, raw streams, split and not, block sizes apart) parsed in one call, placed
+    anywhere in a buffer: each stream is the frame's own, moved to where the frame lies, in the frames' order."""
+    nbytes, frames = 3 * 65536 + 8, []
+    for typesize, blocksize, kind in itertools.product([1, 2, 4], [0, 1 << 16], ["states", "noise", "zeros"]):
+        codec = Compression("zstd", 1, "shuffle", blocksize).codec(typesize)
+        frames.append(codec.encode(_chunk(kind, nbytes, len(frames))))
+    gaps = [7 * k for k in range(len(frames))]  # bytes before each frame
+    data = b"".join(bytes(gap) + frame for gap, frame in zip(gaps, frames))
+    sizes = np.array([len(f) for f in frames], np.int64)
+    starts = np.cumsum(sizes + gaps) - sizes
+    together = blosc_streams(data, nbytes, (starts, sizes))
+    for k, (frame, start) in enumerate(zip(frames, starts.tolist())):
+        alone, mine = blosc_streams(memoryview(frame), nbytes), together.frames == k
+        for field in ("typesizes", "blocksizes", "shuffled"):
+            assert getattr(together, field)[k] == getattr(alone, field)[0], (k, field)
+        for field, shift in (("offsets", start), ("sizes", 0), ("targets", 0), ("lengths", 0)):
+            assert np.array_equal(getattr(together, field)[mine], getattr(alone, field) + shift), (k, field)
+    assert np.array_equal(together.frames, np.sort(together.frames))
+
+
+def test_a_hostile_frame_among_many_is_named_by_its_sample_s_run_and_chunk():
+    tensor = TensorSpec("aux_hidden_states", "uint16", "bfloat16", 1 << 16, 1, Compression("zstd", 1, "shuffle", 0))
+    codec = tensor.compression.codec(2)
+    chunks = [codec.encode(_chunk("states", 1 << 17, seed)) for seed in range(5)]
+    chunks[3] = chunks[3][:3] + bytes([4]) + chunks[3][4:]  # shuffled in items of 4 bytes
+    stored = [c + struct.pack("<I", crc32c(c)) for c in chunks]
+    data = torch.frombuffer(bytearray(b"".join(stored)), dtype=torch.uint8)
+    first = EncodedRows(data[: sum(map(len, stored[:2]))], (ChunkRun(0, 0, tuple(map(len, stored[:2])), 0, 9),), tensor)
+    second = EncodedRows(data[len(first.data) :], (ChunkRun(1, 0, (len(stored[2]),), 0, 9),
+                                                   ChunkRun(2, 500, tuple(map(len, stored[3:])), 0, 9)), tensor)
+    with pytest.raises(hsdata.CorruptDataError, match="aux_hidden_states: chunk 0 of a run at byte 500 of shard 2: "
+                                                     "shuffled in items of 4 bytes, the tensor's are 2"):
+        decoding.EncodedStates.of_samples(data, [(0, first), (len(first.data), second)])
 
 
 def _frame() -> bytes:

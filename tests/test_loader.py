@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader

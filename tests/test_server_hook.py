@@ -18,7 +18,7 @@ from sglang.srt.model_executor.hook_manager import register_forward_hooks
 from sglang.srt.runtime_context import get_parallel
 
 import hsdata
-from conftest import AUX, HIDDEN, assert_same, make_sample, resize_filesystem
+from conftest import AUX, assert_same, make_sample, resize_filesystem
 from hsdata.extract.client import RID_PREFIX
 from hsdata.validate import validate
 from hsdata.extract import capture as capture_module

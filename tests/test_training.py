@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import ConcatDataset, DataLoader, Subset
@@ -14,7 +13,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import hsdata
 from conftest import SPEC, assert_same, make_sample
-from hsdata import sampling
 from hsdata.layout import shard_key
 from hsdata.shard import token_ranges
 from hsdata.torch import Eagle3Dataset, Mixture, ShardAwareSampler, TokenBudgetBatchSampler, collate_eagle3

@@ -8,7 +8,7 @@ chunks, all as tensor operations. On any other device the streams are decoded by
 rest being the same code (that is how the tests check it without a GPU).
 
 :class:`EncodedStates` is the host's part: where every stream lies and where every sample's rows are, made from
-the frames' headers while the batch is read. :func:`decode` is the device's part.
+the frames' headers once the batch is read. :func:`decode` is the device's part.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..blosc import blosc_streams
+from ..blosc import FrameError, blosc_streams
 from ..compression import device_decodable
 from ..errors import CorruptDataError
 from ..reader import EncodedRows
@@ -55,47 +55,33 @@ class EncodedStates:
         return int(self.runs[:, 1].sum())
 
     @classmethod
-    def of_rows(cls, rows: EncodedRows) -> EncodedStates:
-        """The streams and runs of one sample's encoded rows, from its frames' headers (``CorruptDataError`` for
-        a frame that is not blosc zstd with byte shuffle or none)."""
-        tensor, data = rows.tensor, rows.data.numpy()
-        offsets, sizes, targets, lengths, blocksizes, runs = [], [], [], [], [], []
-        position = 0
-        for run in rows.runs:
-            runs.append((len(blocksizes) * tensor.chunk_nbytes + run.skip, run.nbytes))
-            for k, size in enumerate(run.sizes):
-                frame = memoryview(data[position : position + size - CRC_NBYTES])
-                try:
-                    streams = blosc_streams(frame, tensor.chunk_nbytes)
-                    if streams.shuffled and streams.typesize != tensor.itemsize:
-                        raise ValueError(f"shuffled in items of {streams.typesize} bytes, the tensor's are "
-                                         f"{tensor.itemsize}")
-                except ValueError as e:
-                    raise CorruptDataError(f"{tensor.name}: chunk {k} of a run at byte {run.file_start} of shard "
-                                           f"{run.shard}: {e}") from None
-                base = len(blocksizes) * tensor.chunk_nbytes
-                offsets.append(streams.offsets + position)
-                sizes.append(streams.sizes)
-                targets.append(streams.targets + base)
-                lengths.append(streams.lengths)
-                blocksizes.append(streams.blocksize if streams.shuffled else 0)
-                position += size
-        return cls(tensor.chunk_nbytes, tensor.itemsize, *(np.concatenate(v) for v in (offsets, sizes, targets,
-                   lengths)), np.array(blocksizes, np.int64), np.array(runs, np.int64).reshape(-1, 2))
-
-    @classmethod
-    def join(cls, parts: Sequence[tuple[int, EncodedStates]]) -> EncodedStates:
-        """Several samples' states as one, each ``(where its data starts in the joined data, its states)``."""
-        chunks = np.cumsum([0] + [len(p.blocksizes) for _, p in parts])[:-1]
-        first = parts[0][1]
-        shift = [c * first.chunk_nbytes for c in chunks]
-        return cls(first.chunk_nbytes, first.typesize,
-                   np.concatenate([p.stream_offsets + start for start, p in parts]),
-                   np.concatenate([p.stream_sizes for _, p in parts]),
-                   np.concatenate([p.stream_targets + s for s, (_, p) in zip(shift, parts)]),
-                   np.concatenate([p.stream_lengths for _, p in parts]),
-                   np.concatenate([p.blocksizes for _, p in parts]),
-                   np.concatenate([p.runs + [s, 0] for s, (_, p) in zip(shift, parts)]))
+    def of_samples(cls, data: torch.Tensor, samples: Sequence[tuple[int, EncodedRows]]) -> EncodedStates:
+        """The streams and runs of several samples' encoded rows of one tensor in ``data`` (uint8), each ``(where
+        its bytes start in data, its rows)``, in that order: their frames' headers are all parsed at once
+        (``CorruptDataError`` naming a frame that is not blosc zstd with byte shuffle or none)."""
+        tensor = samples[0][1].tensor
+        runs = [run for _, rows in samples for run in rows.runs]
+        sizes = np.fromiter((size for run in runs for size in run.sizes), np.int64)
+        counts = np.array([sum(len(run.sizes) for run in rows.runs) for _, rows in samples])
+        before = np.cumsum(sizes) - sizes  # each frame's start: its sample's, then the sample's chunks before it
+        offsets = before + np.repeat(np.array([start for start, _ in samples]) - before[np.cumsum(counts) - counts],
+                                     counts)
+        firsts = np.cumsum([0] + [len(run.sizes) for run in runs])  # each run's first chunk, then the count
+        try:
+            streams = blosc_streams(data.numpy(), tensor.chunk_nbytes, (offsets, sizes - CRC_NBYTES))
+            wrong = np.flatnonzero(streams.shuffled & (streams.typesizes != tensor.itemsize))
+            if len(wrong):
+                raise FrameError(int(wrong[0]), f"shuffled in items of {streams.typesizes[wrong[0]]} bytes, the "
+                                 f"tensor's are {tensor.itemsize}")
+        except FrameError as e:
+            k = int(np.searchsorted(firsts, e.frame, side="right")) - 1
+            raise CorruptDataError(f"{tensor.name}: chunk {e.frame - firsts[k]} of a run at byte "
+                                   f"{runs[k].file_start} of shard {runs[k].shard}: {e}") from None
+        return cls(tensor.chunk_nbytes, tensor.itemsize, streams.offsets, streams.sizes,
+                   streams.targets + streams.frames * tensor.chunk_nbytes, streams.lengths,
+                   np.where(streams.shuffled, streams.blocksizes, 0),
+                   np.array([(first * tensor.chunk_nbytes + run.skip, run.nbytes) for first, run in
+                             zip(firsts.tolist(), runs)], np.int64).reshape(-1, 2))
 
 
 def decode(states: EncodedStates, data: torch.Tensor) -> torch.Tensor:

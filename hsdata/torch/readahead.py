@@ -67,8 +67,9 @@ class Pending:
         metas = [meta for _, part_metas, _ in parts for meta in part_metas] if parts[0][1] is not None else None
         encoded = None
         if self._encoded is not None:
-            states = [s for _, _, part_states in parts for s in part_states]
-            encoded = {name: EncodedStates.join([(int(start), s[name]) for start, s in zip(starts, states)])
+            rows = [sample for _, _, part_rows in parts for sample in part_rows]
+            encoded = {name: EncodedStates.of_samples(self._tensors[encoded_name(name)],
+                                                      [(int(a), sample[name]) for a, sample in zip(starts, rows)])
                        for name, starts in self._encoded.items()}
         return Built(self._plan, self._tensors, ids, metas, encoded)
 
@@ -107,7 +108,7 @@ def _encoded_places(located: list[tuple[Any, int]], lengths: Sequence[int]) -> d
 def _read_group(dataset, indices: list[int], rows: list[int], p, tensors, spread: bool,
                 encoded: dict[str, np.ndarray] | None = None) -> tuple[list[str], list | None, list]:
     """Read samples ``indices`` of ``dataset``'s store into batch rows ``rows``: the hidden states straight into
-    place (``encoded``: their compressed bytes, into their places there, described for the device's decoder),
+    place (``encoded``: their compressed bytes, into their places there, returned as read for the device's decoder),
     then the token tensors and padding. A group is read on this thread, unless ``spread`` (a batch read alone, not
     behind others) or it is one long sample: its ranges then go to the store's I/O threads together (read one
     after another, they would leave the disk idle or hold back the batches behind them)."""
@@ -123,10 +124,8 @@ def _read_group(dataset, indices: list[int], rows: list[int], p, tensors, spread
     for b, sample in zip(rows, samples):
         fill_row(p, flat_rows, b, sample["input_ids"], dataset._loss_mask(sample))
     metas = [dataset.store.meta(j) for j in indices] if dataset.meta else None
-    states = []
-    if encoded is not None:
-        states = [{name: EncodedStates.of_rows(sample[name]) for name in encoded} for sample in samples]
-    return [sample["sample_id"] for sample in samples], metas, states
+    encoded_rows = [{name: sample[name] for name in encoded} for sample in samples] if encoded is not None else []
+    return [sample["sample_id"] for sample in samples], metas, encoded_rows
 
 
 class ReadAhead:
