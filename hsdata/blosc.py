@@ -45,15 +45,11 @@ class BloscStreams:
     lengths: np.ndarray  # int64 [s]: its decoded bytes; a stream as long as that is stored as it is (raw)
 
 
-def blosc_streams(data, nbytes: int, frames: tuple[np.ndarray, np.ndarray] | None = None,
-                  cname: str = "zstd") -> BloscStreams:
+def blosc_streams(data, nbytes: int, frames: tuple[np.ndarray, np.ndarray] | None = None) -> BloscStreams:
     """The streams of the blosc1 frames at ``frames`` (offsets, sizes; default: all of ``data`` is one frame) of
-    ``data`` (bytes-like), each decompressing to ``nbytes`` and each stream compressed with ``cname`` (zstd: one
-    standard zstd frame a stream) or stored raw. :class:`FrameError` naming the first frame found that is not
-    such a frame, and why (every offset is checked to lie inside its frame). Mirrors c-blosc 1.x's ``blosc_d``,
-    on all frames at once."""
-    if cname != "zstd":
-        raise ValueError(f"streams of blosc {cname} frames are not supported, only zstd")
+    ``data`` (bytes-like), each decompressing to ``nbytes`` and each stream one standard zstd frame or stored raw.
+    :class:`FrameError` naming the first frame found that is not such a frame, and why (every offset is checked
+    to lie inside its frame). Mirrors c-blosc 1.x's ``blosc_d``, on all frames at once."""
     buffer = np.frombuffer(data, np.uint8)
     starts, cbytes = (np.zeros(1, np.int64), np.array([len(buffer)], np.int64)) if frames is None else (
         np.asarray(frames[0], np.int64), np.asarray(frames[1], np.int64))
