@@ -19,6 +19,7 @@ from crc32c import crc32c
 
 import hsdata
 from conftest import SMALL_LAYOUT, SPEC, make_sample
+from hsdata import blosc
 from hsdata.blosc import blosc_streams
 from hsdata.compression import Compression
 from hsdata.reader import EncodedRows
@@ -89,6 +90,18 @@ def test_frames_parsed_together_give_each_frame_s_streams():
         for field, shift in (("offsets", start), ("sizes", 0), ("targets", 0), ("lengths", 0)):
             assert np.array_equal(getattr(together, field)[mine], getattr(alone, field) + shift), (k, field)
     assert np.array_equal(together.frames, np.sort(together.frames))
+
+
+@pytest.mark.parametrize("starts, sizes, frame, message", [
+    ([0, 10**6], [100, 100], 1, "a frame of 100 bytes at 1000000 lies outside the"),
+    ([-4, 0], [100, 100], 0, "a frame of 100 bytes at -4 lies outside the"),
+    ([0, 0], [100, 8], 1, "8 bytes are too short for a blosc header"),
+])
+def test_frames_given_outside_the_buffer_or_too_short_are_refused_by_index(starts, sizes, frame, message):
+    data = _frame()
+    with pytest.raises(blosc.FrameError, match=message) as refused:
+        blosc_streams(data, 1 << 18, (np.array(starts), np.array(sizes)))
+    assert refused.value.frame == frame
 
 
 def test_a_hostile_frame_among_many_is_named_by_its_sample_s_run_and_chunk():
