@@ -14,10 +14,11 @@ evenly over the corpus: compressed / raw size, encode and decode MB/s of raw byt
 nthreads=1; one row with 2), in interleaved rounds with an uncompressed baseline (memcpy of each chunk), medians
 of the rounds; every codec's decode is checked bit for bit. Codecs: numcodecs Blosc (zstd at levels 1, 3, 5, 9;
 lz4 and blosclz at 1, 3, 5; each with no shuffle, byte shuffle and bit shuffle; zstd 1 and 3 shuffled also with
-256 KiB and 1 MiB blocks), Zstd 1 and 3, LZ4. Also: the order-0 entropy of each byte of the stored
-value (the best a byte-wise coder can do after a byte shuffle), the same codecs on a random-weight model of the
-same config, and the aux array written with zarr-python as a sharded zarr v3 array (bytes + crc32c as hsdata
-writes it, and with blosc), read back warm with zarr-python and tensorstore on one decode thread each. Last,
+256 KiB and 1 MiB blocks), Zstd 1 and 3, LZ4, and hsdata's own encoder of the zstd preset (blosc frames of zstd
+byte planes, decoded by blosc). Also: the order-0 entropy of each byte of the stored value (the best a byte-wise
+coder can do after a byte shuffle), the same codecs on a random-weight model of the same config, and the aux
+array written with zarr-python as a sharded zarr v3 array (bytes + crc32c as hsdata writes it, and with blosc),
+read back warm with zarr-python and tensorstore on one decode thread each. Last,
 hsdata stores of the same states (bf16; samples of 1 to 7 sequences) written uncompressed and with each preset
 (``hsdata.create(..., compression=...)``), in interleaved rounds: write (fsync included), size on disk, and every
 sample read in a random order by ``Store.read`` (xxh3-verified), cold (page cache dropped, if root) and warm, and
@@ -68,8 +69,9 @@ STORE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 SHUFFLES = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
 LEVELS = {"zstd": (1, 3, 5, 9), "lz4": (1, 3, 5), "blosclz": (1, 3, 5)}
 BLOCKS = {"256K": 256 << 10, "1M": 1 << 20}  # blosc blocksize (0 = blosc's own choice, which for zstd is small)
-PICKS = ("blosc zstd 1 shuffle", "blosc zstd 1 shuffle 1M", "blosc zstd 1 bitshuffle 1M", "blosc lz4 5 bitshuffle",
-         "zstd 3")  # also measured on fp16 and fp32, and on the random-weight model
+HSDATA_ZSTD = "hsdata zstd 1 shuffle 1M"  # the zstd preset as hsdata's writer encodes it
+PICKS = (HSDATA_ZSTD, "blosc zstd 1 shuffle", "blosc zstd 1 shuffle 1M", "blosc zstd 1 bitshuffle 1M",
+         "blosc lz4 5 bitshuffle", "zstd 3")  # also measured on fp16 and fp32, and on the random-weight model
 ZARR_CODECS = {"blosc zstd 1 shuffle 1M": ("zstd", 1, "shuffle", 1 << 20), "blosc lz4 5 bitshuffle": ("lz4", 5, "bitshuffle", 0)}
 ZARR_SHARD_TOKENS = 65_536  # hsdata would use 2^20 at this width; smaller so that the corpus spans several shards
 MEMCPY = "memcpy (uncompressed)"
@@ -93,6 +95,20 @@ class Memcpy:
             return data.copy()
         np.copyto(out.reshape(-1).view(np.uint8), data)
         return out
+
+
+class HsdataZstd:
+    """hsdata's own encoder of blosc zstd frames (what its writer writes, ``Compression.encoder``); blosc decodes."""
+
+    def __init__(self, compression):
+        self.compression, self.codec = compression, compression.codec(1)
+
+    def encode(self, chunk: np.ndarray) -> bytes:
+        parts = self.compression.encoder(chunk.itemsize)(chunk.reshape(-1).view(np.uint8))
+        return b"".join(memoryview(part).cast("B") for part in parts)
+
+    def decode(self, buf, out=None):
+        return self.codec.decode(buf, out)
 
 
 class BloscThreads:
@@ -127,6 +143,7 @@ def all_codecs() -> dict:
             for bname, blocksize in BLOCKS.items():
                 codecs[f"blosc zstd {level} {sname} {bname}"] = Blosc("zstd", level, SHUFFLES[sname], blocksize)
     codecs.update({"zstd 1": Zstd(1), "zstd 3": Zstd(3), "lz4": LZ4()})
+    codecs[HSDATA_ZSTD] = HsdataZstd(PRESETS["zstd"])
     codecs["blosc zstd 1 shuffle 1M, 2 threads"] = BloscThreads(codecs["blosc zstd 1 shuffle 1M"], 2)
     return codecs
 

@@ -1,20 +1,30 @@
-"""Blosc1 frames, the one format of a compressed chunk (docs/format.md sections 5b-5c), as readers see them:
-what a frame holds (:func:`blosc_streams`, for decoders other than blosc, a GPU's) and decoding one
-(:func:`decode_into`, blosc's own decoder). Writers encode with blosc (``Compression.codec``)."""
+"""Blosc1 frames, the one format of a compressed chunk (docs/format.md sections 5b-5c): writing one whose streams
+are zstd frames (:func:`encode_zstd`, hsdata's encoder), what a frame holds (:func:`blosc_streams`, for decoders
+other than blosc, a GPU's) and decoding one (:func:`decode_into`, blosc's own decoder)."""
 
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 
 import numcodecs.blosc
 import numpy as np
+import zstandard
 
 BLOSC_HEADER = struct.Struct("<BBBBIII")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
 BLOSC_VERSIONS = (1, 2)  # blosc1 frame formats (c-blosc 1.x writes 2; 1: before the split flag)
 SHUFFLED, MEMCPYED, BITSHUFFLED, DELTA, DONT_SPLIT = 0x1, 0x2, 0x4, 0x8, 0x10  # header flags
 ZSTD_FORMAT = 4  # flags >> 5: the codec of every stream of the frame
 MAX_SPLITS, MIN_BUFFERSIZE = 16, 128  # blosc1: a block is split into typesize streams when neither flag forbids
+ZSTD_VERSION_FORMAT = 1  # the versionlz c-blosc writes in a zstd frame's header
+STREAM_SIZE = struct.Struct("<i")
+# zstd for byte planes of states at clevel 1: literals Huffman-coded, matches found only where they are long (7 bytes)
+# and in a tiny table; it stores bf16 states in less than blosc's zstd level 1 does, about 3x as fast, and its
+# frames decode faster (benchmarks/RESULTS.md, "hsdata's own zstd encoder").
+FAST_PARAMETERS = dict(window_log=20, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
+                       strategy=zstandard.STRATEGY_FAST)
+PROBE_BYTES = 16 << 10  # a stream whose first PROBE_BYTES save less than 1/32 when compressed is stored raw
 
 
 class FrameError(ValueError):
@@ -96,8 +106,7 @@ def _coded_streams(buffer: np.ndarray, starts: np.ndarray, cbytes: np.ndarray, f
     k = np.arange(len(frame)) - np.repeat(np.cumsum(blocks) - blocks, blocks)  # the block's index in its frame
     base, limit, size, items = starts[frame], cbytes[frame], blocksize[frame], typesize[frame]
     block = np.minimum(size, total[frame] - k * size)
-    splits = np.where((flags[frame] & DONT_SPLIT == 0) & (items <= MAX_SPLITS) & (size // items >= MIN_BUFFERSIZE)
-                      & (block == size), items, 1)
+    splits = split_count(flags[frame], items, size, block)
     position = _int32s(buffer, base + BLOSC_HEADER.size + 4 * k)
     width = int(splits.max(initial=0))
     offsets, sizes = np.zeros((len(frame), width), np.int64), np.zeros((len(frame), width), np.int64)
@@ -114,6 +123,77 @@ def _coded_streams(buffer: np.ndarray, starts: np.ndarray, cbytes: np.ndarray, f
     each, length = np.arange(width) < splits[:, None], block // splits
     targets = (k * size)[:, None] + np.arange(width) * length[:, None]
     return np.repeat(frame, splits), offsets[each], sizes[each], targets[each], np.repeat(length, splits)
+
+
+def split_count(flags, typesize, blocksize, block):
+    """How many streams a block of ``block`` bytes is cut into, in a frame of ``flags``, ``typesize`` and
+    ``blocksize`` (numbers or arrays of them): ``typesize`` where the frame allows it and the block is whole."""
+    return np.where((flags & DONT_SPLIT == 0) & (typesize <= MAX_SPLITS) & (blocksize // typesize >= MIN_BUFFERSIZE)
+                    & (block == blocksize), typesize, 1)
+
+
+def encode_zstd(chunk, typesize: int, clevel: int, shuffle: bool, blocksize: int) -> list:
+    """``chunk`` (bytes-like) as one blosc1 frame whose streams are standard zstd frames or raw (docs/format.md
+    section 5c), as the buffers to write in order. The chunk is cut into the fewest blocks of about ``blocksize``
+    bytes or less (0: one block), whole items and of equal size where the chunk allows, so that every block is cut into
+    one stream per byte plane when ``shuffle`` (blosc1 never cuts a last, shorter block). A stream is stored raw
+    where zstd does not make it smaller, the whole frame copied where its streams would not. What c-blosc writes
+    for zstd, except that c-blosc does not cut blocks into planes and codes with its own levels
+    (:func:`zstd_compressor`). The GIL is released while zstd runs."""
+    data = np.frombuffer(chunk, np.uint8)
+    nbytes, shuffled = len(data), shuffle and typesize > 1
+    size = -(-nbytes // (-(-nbytes // blocksize) * typesize)) * typesize if 0 < blocksize < nbytes else nbytes
+    blocks = -(-nbytes // size)
+    flags = (SHUFFLED if shuffled else DONT_SPLIT) | ZSTD_FORMAT << 5
+    compressor = zstd_compressor(clevel)
+    starts, parts, at = np.zeros(blocks, "<i4"), [], BLOSC_HEADER.size + 4 * blocks
+    for k in range(blocks):
+        block = data[k * size : (k + 1) * size]
+        starts[k] = at
+        splits = int(split_count(flags, typesize, size, len(block)))
+        for stream in _block_streams(block, typesize, shuffled, splits):
+            coded = _compress_stream(compressor, stream, probe=splits > 1 or not shuffled)
+            parts += [STREAM_SIZE.pack(len(coded)), coded]
+            at += STREAM_SIZE.size + len(coded)
+    if at >= BLOSC_HEADER.size + nbytes:
+        return [BLOSC_HEADER.pack(2, ZSTD_VERSION_FORMAT, flags | MEMCPYED, typesize, nbytes, size,
+                                  BLOSC_HEADER.size + nbytes), data]
+    return [BLOSC_HEADER.pack(2, ZSTD_VERSION_FORMAT, flags, typesize, nbytes, size, at), starts, *parts]
+
+
+_compressors = threading.local()  # a zstandard compressor serves one thread at a time
+
+
+def zstd_compressor(clevel: int) -> zstandard.ZstdCompressor:
+    """This thread's zstd compressor for blosc's ``clevel``: :data:`FAST_PARAMETERS` at 1, else c-blosc's own
+    mapping (zstd level ``2 * clevel - 1``, the highest at 9)."""
+    cache = _compressors.__dict__
+    if clevel not in cache:
+        parameters = (zstandard.ZstdCompressionParameters(**FAST_PARAMETERS) if clevel == 1 else
+                      zstandard.ZstdCompressionParameters.from_level(2 * clevel - 1 if clevel < 9 else 22))
+        cache[clevel] = zstandard.ZstdCompressor(compression_params=parameters)
+    return cache[clevel]
+
+
+def _block_streams(block: np.ndarray, typesize: int, shuffled: bool, splits: int) -> list[np.ndarray]:
+    """A block's streams: its byte planes when it is cut into them, else the block (byte-shuffled when
+    ``shuffled``: its items' byte 0s, then their byte 1s, ..., then the bytes left over past its last item)."""
+    if not shuffled:
+        return [block]
+    items = len(block) // typesize
+    planes = block[: items * typesize].reshape(items, typesize)
+    planes = [np.ascontiguousarray(planes[:, b]) for b in range(typesize)]
+    return planes if splits > 1 else [np.concatenate([*planes, block[items * typesize :]])]
+
+
+def _compress_stream(compressor: zstandard.ZstdCompressor, stream: np.ndarray, probe: bool):
+    """One zstd frame of ``stream``, or ``stream`` itself where that is not smaller (also, when ``probe``: one
+    byte plane or unshuffled bytes, where its first :data:`PROBE_BYTES` gain too little to try the rest)."""
+    if (probe and len(stream) >= 4 * PROBE_BYTES
+            and len(compressor.compress(stream[:PROBE_BYTES])) > PROBE_BYTES * 31 // 32):
+        return stream
+    coded = compressor.compress(stream)
+    return coded if len(coded) < len(stream) else stream
 
 
 def _int32s(buffer: np.ndarray, at: np.ndarray) -> np.ndarray:

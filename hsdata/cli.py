@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                               "be stored as bfloat16 or float16; any model's as float8_e4m3fn, half of bf16's bytes, "
                               "quantized where the states are made: docs/format.md section 3b)")
     extract.add_argument("--compression", choices=COMPRESSION_CHOICES,
-                         help="--engine hf: compress the hidden states of a store created here: zstd (0.69 of the "
-                              "size, about one core of decoding per 1.2-1.6 GB/s read) or lz4 (0.75, faster); "
+                         help="--engine hf: compress the hidden states of a store created here: zstd (0.68-0.69 of "
+                              "the size, about one core of decoding per 2-3 GB/s read) or lz4 (0.75); "
                               "docs/format.md section 5a (none)")
     extract.add_argument("--max-batch-tokens", type=_positive_int, default=8192,
                          help="--engine hf: padded tokens per forward (8192)")

@@ -8,9 +8,12 @@ tensorstore read the arrays through the ``blosc`` codec of their ``zarr.json``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import numcodecs
+
+from . import blosc
 
 CNAMES = ("zstd", "lz4", "lz4hc", "zlib", "blosclz")
 SHUFFLES = {"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
@@ -56,8 +59,18 @@ class Compression:
         return {"name": "blosc", "configuration": {**asdict(self), "typesize": typesize}}
 
     def codec(self, typesize: int) -> numcodecs.Blosc:
-        """An encoder and decoder of single chunks; safe to share between threads."""
+        """blosc's encoder and decoder of single chunks; safe to share between threads."""
         return numcodecs.Blosc(self.cname, self.clevel, SHUFFLES[self.shuffle], self.blocksize, typesize)
+
+    def encoder(self, typesize: int) -> Callable[[Any], list]:
+        """What hsdata's writers compress a chunk with, safe to share between threads: chunk (bytes-like) -> its
+        blosc frame, as buffers to write in order. Frames of zstd streams (:func:`device_decodable`) are written
+        by hsdata's own encoder (``blosc.encode_zstd``), the others by blosc's."""
+        if device_decodable(self):
+            return partial(blosc.encode_zstd, typesize=typesize, clevel=self.clevel,
+                           shuffle=self.shuffle == "shuffle", blocksize=self.blocksize)
+        codec = self.codec(typesize)
+        return lambda chunk: [codec.encode(chunk)]
 
     def __str__(self) -> str:
         return f"blosc {self.cname} level {self.clevel}, {self.shuffle}, blocks of {self.blocksize or 'auto'}"

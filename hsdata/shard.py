@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 import threading
 from collections import deque
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -118,6 +118,9 @@ class ShardEncoder:
                 out.append(self._end_chunk())
         self._out.writev(out)
 
+    def settle(self) -> None:
+        """Nothing to wait for: every write happens on the caller's thread."""
+
     def finish(self) -> None:
         """Zero-pad the last partial chunk (zarr stores whole chunks) and append the index."""
         if self._filled:
@@ -135,60 +138,96 @@ class ShardEncoder:
 
 
 class CompressedShardEncoder:
-    """Streams one tensor's rows into a shard file of compressed chunks: each chunk is gathered, compressed on
-    ``pool`` (up to ``in_flight`` chunks at once), and written in order with its crc32c; the index on ``finish``
-    records their sizes."""
+    """Streams one tensor's rows into a shard file of compressed chunks: each chunk is compressed on ``pool``
+    (straight from the rows where they hold it whole, else gathered first) and written in order with its crc32c
+    on ``drain`` (one thread), up to ``in_flight`` chunks at once; the index on ``finish`` records their sizes.
+    The caller's thread does little under the GIL, and the file's writes overlap it."""
 
-    def __init__(self, out: AtomicWriter, spec: StoreSpec, tensor: TensorSpec, pool: Executor, in_flight: int):
+    def __init__(self, out: AtomicWriter, spec: StoreSpec, tensor: TensorSpec, pool: Executor, drain: Executor,
+                 in_flight: int):
         self._out = out
         self._pool = pool
+        self._drain = drain
         self._in_flight_max = in_flight
-        self._codec = tensor.compression.codec(tensor.itemsize)
+        self._frame = tensor.compression.encoder(tensor.itemsize)
         self._chunk_nbytes = tensor.chunk_nbytes
         self._num_chunks = chunks_per_shard(spec, tensor)
         self._chunk = bytearray(self._chunk_nbytes)
         self._filled = 0
-        self._in_flight: deque[Future] = deque()
-        self._spare: list[bytearray] = []  # chunk buffers compressed already, reused (fresh memory faults pages in)
-        self._sizes: list[int] = []  # encoded bytes of every chunk written
+        self._chunks = 0  # chunks handed to the pool
+        self._in_flight: deque[Future] = deque()  # each chunk's write, in order
+        self._spare: deque[bytearray] = deque()  # chunk buffers written already, reused (fresh memory faults pages in)
+        self._sizes: list[int] = []  # encoded bytes of every chunk written (drain thread)
 
     def write(self, data: memoryview) -> None:
-        """Append raw row bytes; they may start and end anywhere inside a chunk."""
-        view = memoryview(data).cast("B")
-        while view.nbytes:
-            n = min(view.nbytes, self._chunk_nbytes - self._filled)
-            self._chunk[self._filled : self._filled + n] = view[:n]
-            self._filled += n
-            view = view[n:]
-            if self._filled == self._chunk_nbytes:
-                self._end_chunk()
+        """Append raw row bytes; they may start and end anywhere inside a chunk. The whole chunks in ``data`` are
+        compressed straight from it (no copy under the GIL), the rest is gathered into a chunk buffer; ``data`` is
+        not read after this returns."""
+        view, direct = memoryview(data).cast("B"), []
+        try:
+            while view.nbytes:
+                if not self._filled and view.nbytes >= self._chunk_nbytes:
+                    direct.append(self._end_chunk(view[: self._chunk_nbytes]))
+                    view = view[self._chunk_nbytes :]
+                    continue
+                n = min(view.nbytes, self._chunk_nbytes - self._filled)
+                self._chunk[self._filled : self._filled + n] = view[:n]
+                self._filled += n
+                view = view[n:]
+                if self._filled == self._chunk_nbytes:
+                    self._end_chunk(self._chunk)
+                    self._chunk = self._spare.popleft() if self._spare else bytearray(self._chunk_nbytes)
+                    self._filled = 0
+        finally:
+            wait(direct)  # whatever failed, the rows are not read once this returns
+        for task in direct:
+            task.result()
 
     def finish(self) -> None:
-        """Compress the last partial chunk zero-padded, write what is in flight, then the index."""
+        """Compress the last partial chunk zero-padded, wait for every chunk's write, then write the index."""
         if self._filled:
             self._chunk[self._filled :] = bytes(self._chunk_nbytes - self._filled)
-            self._end_chunk()
-        while self._in_flight:
-            self._write_next()
+            self._end_chunk(self._chunk)
+        self.settle()
         self._out.writev([encode_index(self._sizes, self._num_chunks)])
 
-    def _end_chunk(self) -> None:
-        if len(self._sizes) + len(self._in_flight) == self._num_chunks:
+    def settle(self) -> None:
+        """Wait until no chunk is in flight (none touches the file after this), then raise the first failure."""
+        in_flight, self._in_flight = self._in_flight, deque()
+        wait(in_flight)
+        for task in in_flight:
+            task.result()
+
+    def _end_chunk(self, chunk) -> Future:
+        """Hand a whole chunk (this encoder's buffer, or a view of the caller's rows) to the pool, its write to the
+        drain; return its compression."""
+        if self._chunks == self._num_chunks:
             raise AssertionError("shard overflow: more chunks written than the shard holds")
-        self._in_flight.append(self._pool.submit(self._encode, self._chunk))
-        self._chunk, self._filled = self._spare.pop() if self._spare else bytearray(self._chunk_nbytes), 0
+        self._chunks += 1
+        encoded = self._pool.submit(self._encode, chunk)
+        self._in_flight.append(self._drain.submit(self._write, encoded))
         while len(self._in_flight) > self._in_flight_max or (self._in_flight and self._in_flight[0].done()):
-            self._write_next()
+            self._in_flight.popleft().result()
+        return encoded
 
-    def _encode(self, chunk: bytearray) -> tuple[bytes, bytes, bytearray]:
-        data = self._codec.encode(chunk)
-        return data, struct.pack("<I", crc32c(data)), chunk
+    def _encode(self, chunk) -> tuple[list, int, bytearray | None]:
+        """The chunk's frame and its crc32c (a pool thread), and the chunk buffer to reuse once the frame is written.
+        A frame of the caller's rows is copied where it lies in them (a copied frame, raw unshuffled bytes): the
+        rows are not read once ``write`` returns."""
+        frame, crc = self._frame(chunk), 0
+        if not isinstance(chunk, bytearray):
+            frame = [bytes(part) if np.may_share_memory(part, chunk) else part for part in frame]
+        for part in frame:
+            crc = crc32c(part, crc)
+        return frame, crc, chunk if isinstance(chunk, bytearray) else None
 
-    def _write_next(self) -> None:
-        data, trailer, chunk = self._in_flight.popleft().result()
-        self._spare.append(chunk)
-        self._out.writev([data, trailer])
-        self._sizes.append(len(data) + CRC_NBYTES)
+    def _write(self, encoded: Future) -> None:
+        """Append a chunk's frame and crc32c once compressed (the drain thread, in the chunks' order)."""
+        frame, crc, chunk = encoded.result()
+        self._out.writev([*frame, struct.pack("<I", crc)])
+        self._sizes.append(sum(memoryview(part).nbytes for part in frame) + CRC_NBYTES)
+        if chunk is not None:
+            self._spare.append(chunk)  # reused only once its frame is written
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numcodecs.blosc
 import numpy as np
@@ -13,13 +14,16 @@ import pytest
 import tensorstore as ts
 import torch
 import zarr
+import zstandard
 from crc32c import crc32c
 
 import hsdata
-from hsdata.blosc import MEMCPYED
+from hsdata.blosc import MEMCPYED, PROBE_BYTES, blosc_streams
 from hsdata.compression import PRESETS, Compression
 from hsdata.layout import shard_key
-from hsdata.shard import chunks_per_shard, decode_index, index_nbytes
+from hsdata.io.storage import Storage
+from hsdata.shard import CompressedShardEncoder, chunks_per_shard, decode_index, index_nbytes
+from hsdata.spec import StoreSpec
 from hsdata.torch import Eagle3Dataset
 from hsdata.validate import validate
 
@@ -60,11 +64,119 @@ def test_compressed_store_reads_back_bit_exact_and_is_smaller(tmp_path, ragged_s
     assert report.ok and report.samples_checked == len(ragged_samples), report.problems
 
 
-def test_an_incompressible_chunk_is_stored_as_a_copied_frame():
+def joined(parts: list) -> bytes:
+    """A frame written as buffers (``Compression.encoder``), as one bytes."""
+    return b"".join(memoryview(part).cast("B").tobytes() for part in parts)
+
+
+def states_bytes(nbytes: int, seed: int = 0) -> bytearray:
+    """bf16 states-like values: normal, with a few large channels."""
+    values = torch.randn(nbytes // 2, generator=torch.Generator().manual_seed(seed)) * 0.8
+    values[::97] *= 30
+    return bytearray(values.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_an_incompressible_chunk_is_stored_as_a_copied_frame(preset):
     chunk = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
-    frame = PRESETS["zstd"].codec(2).encode(chunk)
+    frame = joined(PRESETS[preset].encoder(2)(chunk))
     assert len(frame) == 16 + chunk.nbytes and frame[2] & MEMCPYED
     assert bytes(numcodecs.blosc.decompress(frame)) == chunk.tobytes()
+
+
+@pytest.mark.parametrize("typesize, clevel, shuffle, blocksize, nbytes", [
+    (2, 1, "shuffle", 1 << 20, 1 << 20),  # the preset: one block, cut into two byte planes
+    (2, 1, "shuffle", 1 << 20, 3 * 1000),  # a chunk smaller than a block
+    (2, 1, "shuffle", 4096, 4096 * 7 + 2 * 100),  # whole blocks cut into planes, a last one that is not
+    (2, 5, "shuffle", 1001, 30_000),  # a block size that is not a multiple of the item size
+    (2, 1, "shuffle", 3, 10),  # blocks of 4 bytes (two items), the last one shorter
+    (2, 1, "shuffle", 1 << 20, (1 << 21) + (1 << 18)),  # 2.25 MiB (aux at H = 384): three blocks of 768 KiB
+    (4, 9, "shuffle", 0, 4 * 5000),  # the whole chunk one block, four planes
+    (2, 1, "shuffle", 128, 4096),  # blocks too small to cut (64 items < 128)
+    (1, 1, "shuffle", 0, 50_000),  # one byte an item: nothing to shuffle (fp8)
+    (2, 3, "noshuffle", 8192, 40_000),
+    (20, 1, "shuffle", 0, 20 * 1000),  # more bytes an item than blosc cuts a block into
+])
+def test_hsdata_zstd_frames_decode_with_blosc_and_parse_as_zstd_streams(typesize, clevel, shuffle, blocksize, nbytes):
+    """Frames of hsdata's own encoder are blosc1 frames: blosc decodes them, and their streams (as a GPU decoder
+    sees them) decode with any zstd decoder into the same bytes, raw streams copied, planes unshuffled."""
+    chunk = states_bytes(nbytes + nbytes % 2)[:nbytes]
+    frame = joined(Compression("zstd", clevel, shuffle, blocksize).encoder(typesize)(chunk))
+    assert bytes(numcodecs.blosc.decompress(frame)) == bytes(chunk)
+    streams = blosc_streams(frame, nbytes)
+    decoded = np.zeros(nbytes, np.uint8)
+    for offset, size, target, length in zip(streams.offsets, streams.sizes, streams.targets, streams.lengths):
+        piece = frame[offset : offset + size]
+        decoded[target : target + length] = np.frombuffer(
+            piece if size == length else zstandard.ZstdDecompressor().decompress(piece), np.uint8)
+    if streams.shuffled[0]:
+        size = int(streams.blocksizes[0])
+        for start in range(0, nbytes, size):
+            block = decoded[start : start + size]
+            items = len(block) // typesize
+            block[: items * typesize] = block[: items * typesize].reshape(typesize, items).T.ravel()
+    assert decoded.tobytes() == bytes(chunk)
+
+
+def test_states_frames_hold_byte_planes_and_are_smaller_than_blosc_own():
+    """The preset cuts bf16 states into their two byte planes: the low one (mantissa bits) does not compress and
+    is stored raw, the high one (sign and exponent) is one zstd frame; the frame is smaller than c-blosc's own at
+    the same level."""
+    chunk = states_bytes(1 << 20)
+    frame = joined(PRESETS["zstd"].encoder(2)(chunk))
+    streams = blosc_streams(frame, len(chunk))
+    assert list(streams.lengths) == [1 << 19, 1 << 19]
+    assert streams.sizes[0] == 1 << 19 and streams.sizes[1] < 0.5 * (1 << 19)
+    assert len(frame) < len(PRESETS["zstd"].codec(2).encode(chunk))
+    # 2.25 MiB (aux at H = 384): three blocks of 768 KiB rather than 1 + 1 + 0.25 MiB, the last one not cut
+    streams = blosc_streams(joined(PRESETS["zstd"].encoder(2)(states_bytes(9 << 18))), 9 << 18)
+    assert streams.blocksizes[0] == 3 << 18 and list(streams.lengths) == [3 << 17] * 6
+
+
+def test_a_stream_whose_head_does_not_compress_is_stored_raw():
+    """The encoder tries a stream's first ``PROBE_BYTES`` before the rest: one that starts incompressible is
+    stored raw even when its rest would compress; one that starts compressible is compressed."""
+    noise = np.random.default_rng(1).integers(0, 256, 2 * PROBE_BYTES, dtype=np.uint8).tobytes()
+    chunk = noise + bytes(6 * PROBE_BYTES) + bytes(6 * PROBE_BYTES) + noise  # two blocks
+    frame = joined(Compression("zstd", 1, "noshuffle", 8 * PROBE_BYTES).encoder(1)(bytearray(chunk)))
+    streams = blosc_streams(frame, len(chunk))
+    assert list(streams.lengths) == [8 * PROBE_BYTES] * 2
+    assert streams.sizes[0] == 8 * PROBE_BYTES and streams.sizes[1] < 3 * PROBE_BYTES
+    assert bytes(numcodecs.blosc.decompress(frame)) == chunk
+
+
+def test_rows_given_to_a_compressed_shard_are_not_read_after_write_returns(tmp_path):
+    """Whole chunks are compressed straight from the caller's rows; incompressible ones become copied frames, which
+    would lie in those rows: the writer's buffers are reused as soon as ``write`` returns, so the shard must hold
+    what the rows held then."""
+    spec = StoreSpec.new(64, [1], compression="zstd", shard_tokens=64, chunk_tokens=8)
+    tensor = spec.tensor("hidden_states")
+    rows = bytearray(np.random.default_rng(2).integers(0, 256, 35 * tensor.row_nbytes, dtype=np.uint8).tobytes())
+    given = bytes(rows)
+    with ThreadPoolExecutor(2) as pool, ThreadPoolExecutor(1) as drain:
+        out = Storage(str(tmp_path)).open_writer("shard")
+        encoder = CompressedShardEncoder(out, spec, tensor, pool, drain, in_flight=2)
+        encoder.write(memoryview(rows)[: 20 * tensor.row_nbytes])  # two whole chunks from the rows, four rows gathered
+        rows[: 20 * tensor.row_nbytes] = bytes(20 * tensor.row_nbytes)
+        encoder.write(memoryview(rows)[20 * tensor.row_nbytes :])
+        rows[:] = bytes(len(rows))
+        encoder.finish()
+        out.commit()
+    data = (tmp_path / "shard").read_bytes()
+    chunks = chunks_per_shard(spec, tensor)
+    index = decode_index(data[-index_nbytes(chunks):], chunks, where="shard")
+    decoded = b"".join(bytes(numcodecs.blosc.decompress(data[offset : offset + size - 4]))
+                       for offset, size in index[:5].tolist())
+    assert index[5:].tolist() == [[2**64 - 1] * 2] * 3
+    assert decoded == given + bytes(5 * 8 * tensor.row_nbytes - len(given))
+
+
+def test_one_encoder_shared_by_threads_writes_what_it_writes_alone():
+    encode = PRESETS["zstd"].encoder(2)
+    chunks = [states_bytes(1 << 18, seed) for seed in range(24)]
+    alone = [joined(encode(chunk)) for chunk in chunks]
+    with ThreadPoolExecutor(4) as pool:
+        assert [joined(parts) for parts in pool.map(encode, chunks)] == alone
 
 
 def test_ranges_cut_at_chunk_boundaries_read_back_exact(tmp_path, ragged_samples):
