@@ -20,8 +20,8 @@ MAX_SPLITS, MIN_BUFFERSIZE = 16, 128  # blosc1: a block is split into typesize s
 ZSTD_VERSION_FORMAT = 1  # the versionlz c-blosc writes in a zstd frame's header
 STREAM_SIZE = struct.Struct("<i")
 # zstd for byte planes of states at clevel 1: literals Huffman-coded, matches found only where they are long (7 bytes)
-# and in a tiny table; it stores bf16 states in less than blosc's zstd level 1 does, about 3x as fast, and its
-# frames decode faster (benchmarks/RESULTS.md, "hsdata's own zstd encoder").
+# and in a tiny table; it stores bf16 states in a little less than blosc's zstd level 1 does, about twice as fast,
+# and its frames decode faster (benchmarks/RESULTS.md, "hsdata's own zstd encoder").
 FAST_PARAMETERS = dict(window_log=20, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
                        strategy=zstandard.STRATEGY_FAST)
 PROBE_BYTES = 16 << 10  # a stream whose first PROBE_BYTES save less than 1/32 when compressed is stored raw
@@ -132,6 +132,36 @@ def split_count(flags, typesize, blocksize, block):
                     & (block == blocksize), typesize, 1)
 
 
+def _int32s(buffer: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The little-endian int32s at byte offsets ``at`` of ``buffer``, as int64."""
+    return buffer[at[:, None] + np.arange(4)].view("<i4")[:, 0].astype(np.int64)
+
+
+def _refuse(bad: np.ndarray, frames: np.ndarray | None, why) -> None:
+    """:class:`FrameError` for the first of ``bad`` (frames, or items of ``frames``), saying ``why(its index)``."""
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise FrameError(i if frames is None else int(frames[i]), why(i))
+
+
+def decode_into(data: memoryview, out: memoryview) -> None:
+    """Decompress one blosc chunk (of any configuration: the frame says it) into ``out``, which it must fill
+    exactly; ``ValueError`` saying why if ``data`` is not a blosc frame of that size (its header is read first,
+    so a hostile one cannot overrun ``out``). Straight to numcodecs' decompressor: its codec's ``decode`` holds
+    the GIL longer per chunk, which the read threads share."""
+    if data.nbytes < BLOSC_HEADER.size:
+        raise ValueError(f"{data.nbytes} bytes are too short for a blosc header ({BLOSC_HEADER.size})")
+    *_, nbytes, _blocksize, cbytes = BLOSC_HEADER.unpack_from(data)
+    if cbytes != data.nbytes:
+        raise ValueError(f"its blosc header says {cbytes} compressed bytes, the chunk holds {data.nbytes}")
+    if nbytes != out.nbytes:
+        raise ValueError(f"its blosc header says it decompresses to {nbytes} bytes, expected {out.nbytes}")
+    try:
+        numcodecs.blosc.decompress(data, out)
+    except RuntimeError as e:
+        raise ValueError(f"blosc cannot decompress it: {e}") from None
+
+
 def encode_zstd(chunk, typesize: int, clevel: int, shuffle: bool, blocksize: int) -> list:
     """``chunk`` (bytes-like) as one blosc1 frame whose streams are standard zstd frames or raw (docs/format.md
     section 5c), as the buffers to write in order. The chunk is cut into the fewest blocks of about ``blocksize``
@@ -194,33 +224,3 @@ def _compress_stream(compressor: zstandard.ZstdCompressor, stream: np.ndarray, p
         return stream
     coded = compressor.compress(stream)
     return coded if len(coded) < len(stream) else stream
-
-
-def _int32s(buffer: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """The little-endian int32s at byte offsets ``at`` of ``buffer``, as int64."""
-    return buffer[at[:, None] + np.arange(4)].view("<i4")[:, 0].astype(np.int64)
-
-
-def _refuse(bad: np.ndarray, frames: np.ndarray | None, why) -> None:
-    """:class:`FrameError` for the first of ``bad`` (frames, or items of ``frames``), saying ``why(its index)``."""
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise FrameError(i if frames is None else int(frames[i]), why(i))
-
-
-def decode_into(data: memoryview, out: memoryview) -> None:
-    """Decompress one blosc chunk (of any configuration: the frame says it) into ``out``, which it must fill
-    exactly; ``ValueError`` saying why if ``data`` is not a blosc frame of that size (its header is read first,
-    so a hostile one cannot overrun ``out``). Straight to numcodecs' decompressor: its codec's ``decode`` holds
-    the GIL longer per chunk, which the read threads share."""
-    if data.nbytes < BLOSC_HEADER.size:
-        raise ValueError(f"{data.nbytes} bytes are too short for a blosc header ({BLOSC_HEADER.size})")
-    *_, nbytes, _blocksize, cbytes = BLOSC_HEADER.unpack_from(data)
-    if cbytes != data.nbytes:
-        raise ValueError(f"its blosc header says {cbytes} compressed bytes, the chunk holds {data.nbytes}")
-    if nbytes != out.nbytes:
-        raise ValueError(f"its blosc header says it decompresses to {nbytes} bytes, expected {out.nbytes}")
-    try:
-        numcodecs.blosc.decompress(data, out)
-    except RuntimeError as e:
-        raise ValueError(f"blosc cannot decompress it: {e}") from None
