@@ -67,8 +67,8 @@ def make_samples(lengths: list[int], hidden: int, layers: int, seed: int,
                  values: str = "bits") -> list[dict[str, torch.Tensor]]:
     """bf16 torch tensors as an engine hands them over: slices of one random pool (so the pool, not every
     sample, is resident), ids and masks of their own. ``values``: "bits", uniformly random bit patterns
-    (incompressible); "normal", N(0, 1) rounded to bf16 (blosc zstd stores ~0.8 of it, near a random-weight
-    model's states; a trained model's compress to ~0.69, benchmarks/compression_bench.py)."""
+    (incompressible); "normal", N(0, 1) rounded to bf16 (the zstd preset stores 0.67 of it, as it does a
+    random-weight model's states; a trained model's compress to 0.68-0.69, benchmarks/compression_bench.py)."""
     rng = np.random.default_rng(seed)
     widest = max(lengths) * layers * hidden
     if values == "normal":
