@@ -14,7 +14,6 @@ import pytest
 import tensorstore as ts
 import torch
 import zarr
-import zstandard
 from crc32c import crc32c
 
 import hsdata
@@ -24,7 +23,7 @@ from hsdata.layout import shard_key
 from hsdata.io.storage import Storage
 from hsdata.shard import CompressedShardEncoder, chunks_per_shard, decode_index, index_nbytes
 from hsdata.spec import StoreSpec
-from hsdata.torch import Eagle3Dataset
+from hsdata.torch import Eagle3Dataset, decoding
 from hsdata.validate import validate
 
 from conftest import SMALL_LAYOUT, SPEC, assert_same, make_sample
@@ -98,24 +97,16 @@ def test_an_incompressible_chunk_is_stored_as_a_copied_frame(preset):
     (20, 1, "shuffle", 0, 20 * 1000),  # more bytes an item than blosc cuts a block into
 ])
 def test_hsdata_zstd_frames_decode_with_blosc_and_parse_as_zstd_streams(typesize, clevel, shuffle, blocksize, nbytes):
-    """Frames of hsdata's own encoder are blosc1 frames: blosc decodes them, and their streams (as a GPU decoder
-    sees them) decode with any zstd decoder into the same bytes, raw streams copied, planes unshuffled."""
+    """Frames of hsdata's own encoder are blosc1 frames: blosc decodes them, and so does the device path's decoder
+    from their streams (``blosc_streams``; zstd streams, raw copies and unshuffling as on a GPU, here on the CPU)."""
     chunk = states_bytes(nbytes + nbytes % 2)[:nbytes]
     frame = joined(Compression("zstd", clevel, shuffle, blocksize).encoder(typesize)(chunk))
     assert bytes(numcodecs.blosc.decompress(frame)) == bytes(chunk)
     streams = blosc_streams(frame, nbytes)
-    decoded = np.zeros(nbytes, np.uint8)
-    for offset, size, target, length in zip(streams.offsets, streams.sizes, streams.targets, streams.lengths):
-        piece = frame[offset : offset + size]
-        decoded[target : target + length] = np.frombuffer(
-            piece if size == length else zstandard.ZstdDecompressor().decompress(piece), np.uint8)
-    if streams.shuffled[0]:
-        size = int(streams.blocksizes[0])
-        for start in range(0, nbytes, size):
-            block = decoded[start : start + size]
-            items = len(block) // typesize
-            block[: items * typesize] = block[: items * typesize].reshape(typesize, items).T.ravel()
-    assert decoded.tobytes() == bytes(chunk)
+    states = decoding.EncodedStates(nbytes, typesize, streams.offsets, streams.sizes, streams.targets, streams.lengths,
+                                    np.where(streams.shuffled, streams.blocksizes, 0), np.array([[0, nbytes]]))
+    decoded = decoding.decode(states, torch.frombuffer(bytearray(frame), dtype=torch.uint8))
+    assert decoded.numpy().tobytes() == bytes(chunk)
 
 
 def test_states_frames_hold_byte_planes_and_are_smaller_than_blosc_own():
