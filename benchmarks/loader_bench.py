@@ -20,7 +20,8 @@ Sections (``--parts``): ``warm`` and ``cold`` (page cache dropped before each pa
 (--ranks processes, each its sampler's share of one epoch, host delivery, together) and ``consumer`` (a GPU step
 of fixed cost per token sized to --tokens-per-s: the share of time the GPU waits for data). Medians over
 --repeat interleaved passes; warm passes follow untimed ones, and every reader is made once and reused, as a
-training job reuses its loader.
+training job reuses its loader. ``--read-gbps`` caps the run's disk reads (a cgroup throttle): the same machine
+with a slower disk.
 
     python benchmarks/loader_bench.py --dir /tmp/hsbench-loader --gib 1 --hidden 4096 --workers 2
     python benchmarks/loader_bench.py --dir /tmp/hsbench-loader --gib 6 --workers 8 --parts warm cold ranks consumer
@@ -49,7 +50,7 @@ import hsdata
 from formats_bench import (LAYERS, SpeculatorsDir, make_samples, write_hsdata, write_litdata, write_mds,
                            write_specforge, write_speculators)
 from dataset_bench import TorchSaveDir
-from read_bench import drop_caches, interleaved_times, make_lengths
+from read_bench import drop_caches, interleaved_times, make_lengths, throttle_reads
 from hsdata.layout import shard_key
 from hsdata.shard import token_ranges
 from hsdata.torch import Eagle3Dataset, Loader, ShardAwareSampler, collate_eagle3, decoding
@@ -245,12 +246,18 @@ def measure(methods: dict, *, mode: str, repeat: int, only: str = "") -> dict[st
 
 
 def rows(times: dict[str, list[float]], gb: float, baselines: dict[str, str]) -> list[dict]:
+    """Each method's median seconds and GB/s, x each baseline's median; a compressed store's Loader also x the
+    uncompressed one at the same workers and batch (``x_uncompressed``: the median of the rounds' ratios, each
+    pair read in the same round)."""
     out = []
     for name, t in times.items():
         row = {"method": name, "seconds": float(np.median(t)), "all_seconds": t, "gb_per_s": gb / float(np.median(t))}
         for label, base in baselines.items():
             if base in times:
                 row[label] = float(np.median(times[base])) / row["seconds"]
+        uncompressed = re.sub(r"^Loader (zstd|lz4)( GPU decode)?,", "Loader,", name)
+        if uncompressed != name and uncompressed in times:
+            row["x_uncompressed"] = float(np.median(np.array(times[uncompressed]) / np.array(t)))
         out.append(row)
     return out
 
@@ -352,11 +359,16 @@ def main() -> None:
                              "which compress as a trained model's do) instead of random bits")
     parser.add_argument("--methods", default="", help="a regular expression: run only the methods whose names "
                                                             "it finds (default: all)")
+    parser.add_argument("--read-gbps", type=float, help="cap the run's reads from the disk at this many GB/s "
+                        "(a cgroup throttle; root): the same machine with a slower disk")
     parser.add_argument("--json")
     args = parser.parse_args()
     cold_parts = {"cold"} & set(args.parts) or ({"ranks"} & set(args.parts))
     if cold_parts and os.geteuid() != 0:
         sys.exit("needs root: cold passes drop the page cache")
+    if args.read_gbps:
+        os.makedirs(args.dir, exist_ok=True)
+        throttle_reads(args.dir, int(args.read_gbps * 1e9))
     roots = {name: os.path.join(args.dir, name) for name in ("hsdata", *FORMATS)}
     compressed_root = os.path.join(args.dir, f"hsdata-{args.compression}")  # (used with --compression)
     meta = os.path.join(args.dir, "samples.json")
@@ -506,6 +518,8 @@ def markdown(result: dict) -> str:
     if a.get("compression"):
         lines[0] += (f" States activation-like (gaussian, log-normal scales); the {a['compression']} store is "
                      f"{result['compressed_size']:.3f} of the uncompressed one on disk.")
+    if a.get("read_gbps"):
+        lines[0] += f" Disk reads capped at {a['read_gbps']} GB/s."
 
     def table(title, header, body):
         lines.extend(["", title, "", "| " + " | ".join(header) + " |",
@@ -515,9 +529,10 @@ def markdown(result: dict) -> str:
 
     for mode in ("warm", "cold"):
         if mode in result:
-            keys = [k for k in ("x_raw", "x_store", "x_raw_files") if k in result[mode][0]]
+            keys = [k for k in ("x_raw", "x_store", "x_raw_files", "x_uncompressed")
+                    if any(k in r for r in result[mode])]
             table(f"**{mode}**", ["method", "s", "GB/s", *(k.replace("_", " ") for k in keys)],
-                  [[r["method"], r["seconds"], r["gb_per_s"], *(r.get(k, float("nan")) for k in keys)]
+                  [[r["method"], r["seconds"], r["gb_per_s"], *(r.get(k, "") for k in keys)]
                    for r in result[mode]])
     if "ranks" in result:
         table("**ranks on one node** (host delivery, together)", ["mode", "ranks", "threads each", "s", "GB/s"],

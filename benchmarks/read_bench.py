@@ -93,6 +93,29 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
+def throttle_reads(path: str, bytes_per_s: int) -> None:
+    """Cap reads from the disk holding ``path`` at ``bytes_per_s`` for this process and the processes it starts
+    (a cgroup's block I/O throttle, v1 ``blkio`` or v2 ``io``; needs root): a slower disk on the same machine."""
+    st = os.stat(path)
+    device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    if os.path.exists(f"/sys/dev/block/{device}/partition"):  # throttles apply to whole disks
+        device = open(f"/sys/dev/block/{device}/../dev").read().strip()
+    v1, v2 = "/sys/fs/cgroup/blkio", "/sys/fs/cgroup"
+    if os.path.isdir(v1):
+        group, limit = os.path.join(v1, "hsbench"), ("blkio.throttle.read_bps_device", f"{device} {bytes_per_s}")
+    elif "io" in open(os.path.join(v2, "cgroup.controllers")).read().split():
+        with open(os.path.join(v2, "cgroup.subtree_control"), "w") as f:
+            f.write("+io")
+        group, limit = os.path.join(v2, "hsbench"), ("io.max", f"{device} rbps={bytes_per_s}")
+    else:
+        raise SystemExit("cannot throttle reads: no cgroup v1 blkio hierarchy and no v2 io controller")
+    os.makedirs(group, exist_ok=True)
+    with open(os.path.join(group, limit[0]), "w") as f:
+        f.write(limit[1])
+    with open(os.path.join(group, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
 def interleaved_times(methods: dict, *, mode: str, repeat: int, check=None) -> dict[str, list[float]]:
     """Seconds of each ``methods[name]()`` over ``repeat`` interleaved passes (so drifts of the machine hit
     every method alike). ``cold`` drops the page cache before each pass, ``warm`` runs an untimed pass first;
