@@ -53,7 +53,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import hsdata
-from hsdata.compression import PRESETS
+from hsdata.codecs.compression import PRESETS
 from hsdata.spec import StoreSpec
 from hsdata.torch import Eagle3Dataset
 from read_bench import drop_caches

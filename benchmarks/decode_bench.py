@@ -1,5 +1,5 @@
 """CPU decoding of compressed hidden-state chunks on 1 to all cores: GB/s of decoded bytes (what a reader
-delivers) per thread count, for each codec hsdata names (``hsdata.compression.PRESETS``) and the checks a read
+delivers) per thread count, for each codec hsdata names (``hsdata.codecs.compression.PRESETS``) and the checks a read
 makes beside it (the chunk's crc32c, the sample's xxh3), on activation-like bf16 chunks (gaussian values of
 log-normal channel scales, which compress as a trained model's states do) of the size a store of --hidden
 would use. Each thread decodes its own chunks into its own buffer, in a loop for --seconds; every codec's
@@ -30,7 +30,7 @@ from crc32c import crc32c
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import hsdata  # noqa: E402
-from hsdata.compression import PRESETS, Compression  # noqa: E402
+from hsdata.codecs.compression import PRESETS, Compression  # noqa: E402
 from hsdata.reader import EncodedRows  # noqa: E402
 from hsdata.shard import ChunkRun  # noqa: E402
 

@@ -4,7 +4,7 @@ States, made in the run (no download): a trained model's, sentence-transformers/
 compression study's model and corpus: benchmarks/compression_bench.py), and the demo model's (``hsdata extract``'s
 embedded default, H = 256, random weights), each rounded to bf16 as a store holds them. For each:
 
-  e4m3 per token    hsdata's float8_e4m3fn: a float32 scale per token and layer (hsdata.quantize)
+  e4m3 per token    hsdata's float8_e4m3fn: a float32 scale per token and layer (hsdata.codecs.quantize)
   e5m2 per token    the same with float8_e5m2
   e4m3 per tensor   one scale per sample and layer: max |x| over the sample's tokens / 448
   e5m2 per tensor   the same with e5m2
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 import hsdata
-from hsdata import quantize
+from hsdata.codecs import quantize
 from hsdata.dtypes import DTYPES
 
 SAMPLE_TOKENS = 1024  # the trained model's states cut into samples of this many tokens (4 sequences)

@@ -24,7 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hsdata
-from hsdata import quantize
+from hsdata.codecs import quantize
 from hsdata.extract.capture import Capture, Piece
 
 AUX_LAYERS = [1, 15, 28]  # EAGLE-3's defaults for 32 layers, "output of layer k"

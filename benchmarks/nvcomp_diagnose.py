@@ -29,8 +29,8 @@ import torch
 
 import hsdata
 from decode_bench import activation_chunk
-from hsdata.blosc import blosc_streams
-from hsdata.compression import Compression
+from hsdata.codecs.blosc import blosc_streams
+from hsdata.codecs.compression import Compression
 from hsdata.torch import decoding
 
 SPEC = hsdata.StoreSpec.new(4096, [1, 2, 3], compression="zstd")

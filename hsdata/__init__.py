@@ -1,6 +1,6 @@
 """hsdata: chunked, checksummed, crash-safe hidden-state stores for speculative-decoding (EAGLE-3) training."""
 
-from .compression import Compression
+from .codecs.compression import Compression
 from .errors import (CorruptDataError, DuplicateSampleError, HsdataError, InvalidSampleError, MissingExtraError,
                      NotAStoreError, RemoteReadError, ServerCheckError, SpecMismatchError, UnsupportedFormatError,
                      WriterError)

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from . import __version__
-from .compression import PRESETS, Compression
+from .codecs.compression import PRESETS, Compression
 from .dtypes import FP8_DTYPES, HIDDEN_DTYPES, STORED_HIDDEN_DTYPES, check_pair
 from .errors import HsdataError
 from .extract.client import extract_from_server

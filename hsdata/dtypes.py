@@ -56,7 +56,7 @@ DTYPES = {d.name: d for d in (
     DType("bfloat16", "uint16", "bfloat16", np.dtype("<u2"), "uint16", 0x7F80),
     DType("float16", "float16", "float16", np.dtype("<f2"), "float16", 0x7C00),
     DType("float32", "float32", "float32", np.dtype("<f4"), "float32", 0x7F800000),
-    # fp8 states are stored as their bit patterns with a float32 scale per token and layer (hsdata.quantize);
+    # fp8 states are stored as their bit patterns with a float32 scale per token and layer (hsdata.codecs.quantize);
     # ``torch`` is the element dtype of the stored values, readers return them dequantized to bfloat16.
     DType("float8_e4m3fn", "uint8", "float8_e4m3fn", np.dtype("u1"), "uint8", 0x7F, 448.0),
     DType("float8_e5m2", "uint8", "float8_e5m2", np.dtype("u1"), "uint8", 0x7C, 57344.0),

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import quantize
+from .codecs import quantize
 from .dtypes import DTYPES
 from .errors import InvalidSampleError
 from .spec import MAX_INPUT_ID, StoreSpec
@@ -119,10 +119,10 @@ def integers(value: Any, name: str, fail) -> np.ndarray:
 
 def _hidden(spec: StoreSpec, value: Any, name: str, fail, num_tokens: int) -> np.ndarray:
     """A hidden-state torch tensor or numpy array (ml_dtypes for bfloat16) of ``num_tokens`` tokens as the stored
-    rows: without copying when it is in the stored dtype (for fp8, uint8 rows of ``hsdata.quantize.quantize``,
+    rows: without copying when it is in the stored dtype (for fp8, uint8 rows of ``hsdata.codecs.quantize.quantize``,
     checked); else converted from the compute dtype on the tensor's
     device before it is copied to the host (``torch.Tensor.to``, round to nearest even; to fp8 rows by
-    :func:`hsdata.quantize.quantize`, refusing NaN and Inf)."""
+    :func:`hsdata.codecs.quantize.quantize`, refusing NaN and Inf)."""
     tensor = spec.tensor(name)
     stored, compute = tensor.dtype, DTYPES[spec.compute_dtype or spec.dtype]
     layers, hidden = tensor.layers, spec.hidden_size
@@ -161,7 +161,7 @@ def _hidden(spec: StoreSpec, value: Any, name: str, fail, num_tokens: int) -> np
 
 
 def _fp8_rows(value: Any, tensor, hidden: int, name: str, fail) -> np.ndarray:
-    """Rows already quantized (``hsdata.quantize.quantize``, e.g. on the GPU by the capture path), checked."""
+    """Rows already quantized (``hsdata.codecs.quantize.quantize``, e.g. on the GPU by the capture path), checked."""
     rows = _host_array(value, name, fail) if _is_tensor(value) else np.ascontiguousarray(value)
     problem = quantize.invalid(rows, tensor.layers, hidden, tensor.logical_dtype)
     if problem is not None:  # NaN or Inf states quantize to a NaN or infinite scale

@@ -14,7 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import manifest, masks, quantize, removals, sampling
+from . import manifest, masks, removals, sampling
+from .codecs import quantize
 from .io.buffers import BufferPool, shared_bytes
 from .io.cache import RangeCache
 from .errors import CorruptDataError
@@ -192,7 +193,7 @@ class Store:
         """Sample ``i`` as numpy arrays exactly as stored, checked as :meth:`read` checks it, without loading
         torch (the command line's ``show``): ``input_ids`` int32, ``loss_mask`` uint8, the hidden states as the
         stored dtype's bit patterns (``uint16`` for bfloat16) or, for fp8, the stored rows of values and scales
-        (``[T, layers * (H + 4)]`` uint8: :mod:`hsdata.quantize`)."""
+        (``[T, layers * (H + 4)]`` uint8: :mod:`hsdata.codecs.quantize`)."""
         plan = self._plan(self._position(i), _check_fields(fields), False, None, arrays=True)
         self._fill([plan], inline=True)
         return self._finish(plan)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 from crc32c import crc32c
 
-from .blosc import decode_into
+from .codecs.blosc import decode_into
 from .errors import CorruptDataError
 from .spec import StoreSpec, TensorSpec
 

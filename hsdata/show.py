@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import quantize
+from .codecs import quantize
 from .extract import demo
 from .errors import MissingExtraError
 from .reader import Store, open as open_store

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import compression as compression_module
-from .compression import Compression
-from . import quantize
+from .codecs import compression as compression_module
+from .codecs import quantize
+from .codecs.compression import Compression
 from .dtypes import DTYPES, FP8_DTYPES, DType, check_pair, hidden_dtype
 from .errors import SpecMismatchError, UnsupportedFormatError
 
@@ -46,7 +46,7 @@ class TensorSpec:
     width: int | None  # elements per token; None for a 1-D array
     chunk_tokens: int  # tokens per inner (checksummed) chunk
     compression: Compression | None = None  # how each inner chunk is compressed; None: stored as it is
-    layers: int = 1  # layers a row holds (an fp8 row keeps a scale per layer; hsdata.quantize)
+    layers: int = 1  # layers a row holds (an fp8 row keeps a scale per layer; hsdata.codecs.quantize)
 
     @property
     def dtype(self) -> DType:
@@ -54,7 +54,7 @@ class TensorSpec:
 
     @property
     def quantized(self) -> bool:
-        """fp8 rows: each layer's values and its scale (``hsdata.quantize``); read back as bfloat16."""
+        """fp8 rows: each layer's values and its scale (``hsdata.codecs.quantize``); read back as bfloat16."""
         return self.logical_dtype in FP8_DTYPES
 
     @property
@@ -128,7 +128,7 @@ class StoreSpec:
         same; bfloat16 for an fp8 store). Both are names or torch dtypes; float32 states may be stored as bfloat16
         or float16, and any of the three as ``float8_e4m3fn`` or ``float8_e5m2`` (format version 4).
         ``final_hidden_state``: what ``hidden_states`` holds, one of ``FINAL_HIDDEN_STATES``.
-        ``compression``: how the hidden states' chunks are compressed (``hsdata.compression.parse``: None, a
+        ``compression``: how the hidden states' chunks are compressed (``hsdata.codecs.compression.parse``: None, a
         preset name or a :class:`Compression`); a compressed store is format version 3.
         """
         compression = compression_module.parse(compression)

@@ -23,15 +23,16 @@ import numpy as np
 import pyarrow as pa
 from crc32c import crc32c
 
-from . import manifest, masks, quantize, removals, tables
+from . import manifest, masks, removals, tables
 from .arrow import array_of
 from .errors import CorruptDataError
 from .layout import (MANIFESTS, PARTS, array_document, array_node, group_document, load_spec, metadata_key,
                      part_node, read_document, shard_key)
 from .masks import MASKS
 from .removals import REMOVALS
-from .blosc import blosc_streams, decode_into
-from .compression import device_decodable
+from .codecs import quantize
+from .codecs.blosc import blosc_streams, decode_into
+from .codecs.compression import device_decodable
 from .shard import (CRC_NBYTES, chunks_per_shard, decode_index, encoded_chunk_nbytes, index_nbytes, index_spans,
                     token_ranges)
 from .spec import HIDDEN_TENSORS, MAX_INPUT_ID, TENSOR_NAMES, StoreSpec, TensorSpec

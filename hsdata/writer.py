@@ -43,7 +43,7 @@ def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None 
     are stored and ``compute_dtype`` what the model computed them in (None: ``dtype``), each "bfloat16",
     "float16", "float32" or the torch dtype; float32 may be stored as bfloat16 or float16, converted by ``add``.
     ``dtype="float8_e4m3fn"`` (or ``"float8_e5m2"``) stores fp8 with a float32 scale per token and layer
-    (``hsdata.quantize``; format version 4): ``add`` takes states in ``compute_dtype`` (None: bfloat16) and
+    (``hsdata.codecs.quantize``; format version 4): ``add`` takes states in ``compute_dtype`` (None: bfloat16) and
     quantizes them on their device, refusing NaN and Inf; readers return bfloat16.
     Joining a store whose model facts or dtypes differ raises :class:`SpecMismatchError`; layout sizes left as
     None are taken from the store.

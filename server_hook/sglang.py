@@ -23,7 +23,7 @@ import torch
 
 import hsdata
 from hsdata.extract import capture as capture_module
-from hsdata import compression
+from hsdata.codecs import compression
 from hsdata.extract.capture import Capture, Piece, vocab_size, writer_queue_bytes
 from hsdata.extract.client import RID_PREFIX
 from hsdata.dtypes import hidden_dtype

@@ -17,8 +17,8 @@ import zarr
 from crc32c import crc32c
 
 import hsdata
-from hsdata.blosc import MEMCPYED, PROBE_BYTES, blosc_streams
-from hsdata.compression import PRESETS, Compression
+from hsdata.codecs.blosc import MEMCPYED, PROBE_BYTES, blosc_streams
+from hsdata.codecs.compression import PRESETS, Compression
 from hsdata.layout import shard_key
 from hsdata.io.storage import Storage
 from hsdata.shard import CompressedShardEncoder, chunks_per_shard, decode_index, index_nbytes

@@ -19,9 +19,9 @@ from crc32c import crc32c
 
 import hsdata
 from conftest import SMALL_LAYOUT, SPEC, make_sample
-from hsdata import blosc
-from hsdata.blosc import blosc_streams
-from hsdata.compression import Compression
+from hsdata.codecs import blosc
+from hsdata.codecs.blosc import blosc_streams
+from hsdata.codecs.compression import Compression
 from hsdata.reader import EncodedRows
 from hsdata.shard import ChunkRun
 from hsdata.spec import TensorSpec

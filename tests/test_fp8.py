@@ -14,6 +14,7 @@ import torch
 import zarr
 
 import hsdata
+from hsdata.codecs import quantize
 from hsdata.cli import main
 from hsdata.spec import StoreSpec
 from hsdata.torch import Eagle3Dataset, Loader, collate_eagle3
@@ -74,8 +75,8 @@ def test_numpy_dequantization_is_torch_s_bit_for_bit(dtype):
     scales[0] = 1.0
     rows[:, :, hidden:] = scales.view(np.uint8)
     rows = rows.reshape(tokens, -1)
-    expected = hsdata.quantize.dequantize(torch.from_numpy(rows), layers, hidden, dtype).view(torch.int16).numpy()
-    assert np.array_equal(hsdata.quantize.dequantize_bits(rows, layers, hidden, dtype), expected.view(np.uint16))
+    expected = quantize.dequantize(torch.from_numpy(rows), layers, hidden, dtype).view(torch.int16).numpy()
+    assert np.array_equal(quantize.dequantize_bits(rows, layers, hidden, dtype), expected.view(np.uint16))
 
 
 @pytest.mark.parametrize("dtype", list(FP8))
@@ -261,7 +262,6 @@ def test_convert_makes_an_fp8_store_of_a_bf16_one_resumes_and_info_says_so(tmp_p
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_quantizing_on_the_gpu_is_bit_identical_to_the_cpu():
-    from hsdata import quantize
 
     g = torch.Generator().manual_seed(3)
     states = (torch.randn(4096, K * 4096, generator=g) * torch.logspace(-3, 3, 4096)[:, None]).bfloat16()

@@ -270,7 +270,7 @@ def test_an_fp8_server_stores_the_rows_of_what_it_computed_quantized(workdir, mo
     opened = hsdata.open(str(store))
     assert opened.spec.dtype == "float8_e4m3fn"
     stored = opened.read_arrays(opened.index("returned-fp8"))["aux_hidden_states"]
-    expected = hsdata.quantize.quantize(returned, len(AUX_LAYER_IDS), "float8_e4m3fn").numpy()
+    expected = hsdata.codecs.quantize.quantize(returned, len(AUX_LAYER_IDS), "float8_e4m3fn").numpy()
     assert stored.shape == expected.shape and (stored == expected).all()
     report = validate(str(store))
     assert report.ok, report.problems

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .. import quantize
+from ..codecs import quantize
 from ..errors import InvalidSampleError
 from ..writer import DEFAULT_MAX_PENDING_BYTES, Writer
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import quantize
+from ..codecs import quantize
 from ..spec import StoreSpec
 from .decoding import decode_many
 

@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..blosc import FrameError, blosc_streams
-from ..compression import device_decodable
+from ..codecs.blosc import FrameError, blosc_streams
+from ..codecs.compression import device_decodable
 from ..errors import CorruptDataError
 from ..reader import EncodedRows
 from ..shard import CRC_NBYTES

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .dtypes import DTYPES
+from ..dtypes import DTYPES
 
 if TYPE_CHECKING:
     import torch
