@@ -69,7 +69,10 @@ class Server:
             "--disable-prefill-cuda-graph", *(["--forward-hooks", json.dumps([hook])] if hooked else []), *extra,
         ]
         root = str(Path(__file__).parents[1])
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUB), root]), **(env or {})}
+        # a stopped server's scheduler dies of the SIGTERM, which SGLang takes for a crash: no 5 s wait for crash
+        # diagnostics of a GPU (py-spy, CUDA coredumps) on this CPU server
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STUB), root]),
+                    "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", **(env or {})}
         self.env.pop("SGLANG_USE_CPU_ENGINE", None)
         self.process: subprocess.Popen | None = None
 
