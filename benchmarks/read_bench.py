@@ -18,6 +18,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -99,11 +100,11 @@ def throttle_reads(path: str, bytes_per_s: int) -> None:
     st = os.stat(path)
     device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
     if os.path.exists(f"/sys/dev/block/{device}/partition"):  # throttles apply to whole disks
-        device = open(f"/sys/dev/block/{device}/../dev").read().strip()
+        device = Path(f"/sys/dev/block/{device}/../dev").read_text().strip()
     v1, v2 = "/sys/fs/cgroup/blkio", "/sys/fs/cgroup"
     if os.path.isdir(v1):
         group, limit = os.path.join(v1, "hsbench"), ("blkio.throttle.read_bps_device", f"{device} {bytes_per_s}")
-    elif "io" in open(os.path.join(v2, "cgroup.controllers")).read().split():
+    elif "io" in Path(v2, "cgroup.controllers").read_text().split():
         with open(os.path.join(v2, "cgroup.subtree_control"), "w") as f:
             f.write("+io")
         group, limit = os.path.join(v2, "hsbench"), ("io.max", f"{device} rbps={bytes_per_s}")

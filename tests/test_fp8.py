@@ -262,7 +262,6 @@ def test_convert_makes_an_fp8_store_of_a_bf16_one_resumes_and_info_says_so(tmp_p
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_quantizing_on_the_gpu_is_bit_identical_to_the_cpu():
-
     g = torch.Generator().manual_seed(3)
     states = (torch.randn(4096, K * 4096, generator=g) * torch.logspace(-3, 3, 4096)[:, None]).bfloat16()
     states[7] = 0
