@@ -363,10 +363,12 @@ def main() -> None:
                         "(a cgroup throttle; root): the same machine with a slower disk")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.read_gbps is not None and args.read_gbps <= 0:
+        parser.error(f"--read-gbps must be positive, got {args.read_gbps}")
     cold_parts = {"cold"} & set(args.parts) or ({"ranks"} & set(args.parts))
     if cold_parts and os.geteuid() != 0:
         sys.exit("needs root: cold passes drop the page cache")
-    if args.read_gbps:
+    if args.read_gbps is not None:
         os.makedirs(args.dir, exist_ok=True)
         throttle_reads(args.dir, int(args.read_gbps * 1e9))
     roots = {name: os.path.join(args.dir, name) for name in ("hsdata", *FORMATS)}

@@ -97,6 +97,8 @@ def drop_caches() -> None:
 def throttle_reads(path: str, bytes_per_s: int) -> None:
     """Cap reads from the disk holding ``path`` at ``bytes_per_s`` for this process and the processes it starts
     (a cgroup's block I/O throttle, v1 ``blkio`` or v2 ``io``; needs root): a slower disk on the same machine."""
+    if os.geteuid() != 0:
+        raise SystemExit("cannot throttle reads: a cgroup's I/O limit needs root")
     st = os.stat(path)
     device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
     if os.path.exists(f"/sys/dev/block/{device}/partition"):  # throttles apply to whole disks
