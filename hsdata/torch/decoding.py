@@ -106,18 +106,13 @@ def decode_many(parts: Sequence[tuple[EncodedStates, torch.Tensor]]) -> list[tor
     coded = ~raw
     if coded.any():
         decode_zstd(data, (offsets[coded], sizes[coded]), shuffled, (targets[coded], lengths[coded]))
-    for offset, target, length in zip(*(a[raw].tolist() for a in (offsets, targets, lengths))):
-        shuffled[target : target + length] = data[offset : offset + length]
+    copy_pieces(data, offsets[raw], shuffled, targets[raw], lengths[raw])
     rows = []
     for (states, _), start, n in zip(parts, out_starts.tolist(), nbytes):
         chunks = shuffled[start : start + n].view(-1, states.chunk_nbytes)
         flat = _unshuffled(chunks, states.blocksizes, states.typesize).view(-1)
-        out = torch.empty(states.nbytes, dtype=torch.uint8, device=data.device)
-        position = 0
-        for first, length in states.runs.tolist():
-            out[position : position + length] = flat[first : first + length]
-            position += length
-        rows.append(out)
+        runs = [flat[first : first + length] for first, length in states.runs.tolist()]
+        rows.append(runs[0] if len(runs) == 1 else torch.cat(runs or [flat[:0]]))  # one run: a view, no copy
     return rows
 
 
@@ -191,13 +186,39 @@ def on_alignment(data: torch.Tensor, frames: Streams, out: torch.Tensor, spots: 
     decoded to such places, then copied where they go (on the buffers' device)."""
     source, places = _aligned(data, frames, align)
     if source is not data:
-        for offset, size, place in zip(*(a.tolist() for a in (*frames, places))):
-            source[place : place + size] = data[offset : offset + size]
+        copy_pieces(data, frames[0], source, places, frames[1])
     decoded, at = _aligned(out, spots, align)
     batched(source, (places, frames[1]), decoded, (at, spots[1]))
     if decoded is not out:
-        for target, length, spot in zip(*(a.tolist() for a in (*spots, at))):
-            out[target : target + length] = decoded[spot : spot + length]
+        copy_pieces(decoded, at, out, spots[0], spots[1])
+
+
+def copy_pieces(source: torch.Tensor, offsets: np.ndarray, out: torch.Tensor, targets: np.ndarray,
+                lengths: np.ndarray) -> None:
+    """``out[targets[i] : targets[i] + lengths[i]] = source[offsets[i] : offsets[i] + lengths[i]]`` for every
+    ``i`` (1-d uint8 tensors on one device; the pieces of ``out`` do not overlap), as one gather and one scatter
+    for all the pieces of each length rather than a copy per piece: on a GPU each copy is a kernel launch and
+    some microseconds of the calling thread (a bundle's raw planes are one piece a chunk, hundreds of them)."""
+    order = np.argsort(lengths, kind="stable")
+    distinct, firsts, counts = np.unique(lengths[order], return_index=True, return_counts=True)
+    places = None
+    if (counts > 1).any():  # every piece's offset and target, crossing to the device in one copy
+        places = _to_device(np.stack([offsets[order], targets[order]]).astype(np.int64), source.device)
+    for length, first, count in zip(distinct.tolist(), firsts.tolist(), counts.tolist()):
+        if count == 1:
+            offset, target = int(offsets[order[first]]), int(targets[order[first]])
+            out[target : target + length] = source[offset : offset + length]
+        elif length:  # rows of the views of every window of ``length`` bytes, one per piece
+            at = places[:, first : first + count]
+            out.unfold(0, length, 1)[at[1]] = source.unfold(0, length, 1)[at[0]]
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` as a tensor on ``device``, copied there without waiting for the device (through pinned memory)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _aligned(buffer: torch.Tensor, pieces: Streams, align: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -266,7 +287,7 @@ class NvcompZstd:
         count, device = len(sizes), data.device
         stream = torch.cuda.current_stream(device).cuda_stream
         table = np.stack([data.data_ptr() + offsets, sizes, lengths, out.data_ptr() + targets]).astype(np.int64)
-        arrays = torch.from_numpy(table).pin_memory().to(device, non_blocking=True)  # pointers and sizes
+        arrays = _to_device(table, device)  # pointers and sizes
         temp_bytes = ctypes.c_size_t()
         _succeeded(self._temp_size(count, int(lengths.max()), _Options(), ctypes.byref(temp_bytes), int(lengths.sum()),
                                    stream), "nvcompBatchedZstdDecompressGetTempSize")
