@@ -268,9 +268,11 @@ def test_batches_are_bundled_until_they_hold_enough_decoded_bytes():
     assert list(loader_module._bundles(iter([]), 80)) == []
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-def test_pieces_are_copied_together_by_length_each_to_its_place(device):
+@pytest.mark.parametrize("copy, device", [
+    (decoding._copy_each, "cpu"), (decoding._copy_by_length, "cpu"),  # the CPU's and the GPU's way, on the CPU
+    pytest.param(decoding.copy_pieces, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs a CUDA GPU"))])
+def test_pieces_are_copied_each_to_its_place(copy, device):
     """Many pieces of one length (a bundle's raw planes), lone lengths and empty pieces, in no order: each lands
     where it goes and nothing else of the output is written."""
     rng = np.random.default_rng(0)
@@ -279,7 +281,7 @@ def test_pieces_are_copied_together_by_length_each_to_its_place(device):
     offsets = rng.integers(0, 20_000 - lengths)  # anywhere in the source, overlapping each other
     source = torch.from_numpy(rng.integers(0, 256, 20_000, dtype=np.uint8)).to(device)
     out = torch.full((int(targets[-1] + lengths[-1] + 5),), 7, dtype=torch.uint8, device=device)
-    decoding.copy_pieces(source, offsets, out, targets, lengths)
+    copy(source, offsets, out, targets, lengths)
     want, got = np.full(len(out), 7, np.uint8), source.cpu().numpy()
     for offset, target, length in zip(offsets, targets, lengths):
         want[target : target + length] = got[offset : offset + length]

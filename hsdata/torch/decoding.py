@@ -196,9 +196,24 @@ def on_alignment(data: torch.Tensor, frames: Streams, out: torch.Tensor, spots: 
 def copy_pieces(source: torch.Tensor, offsets: np.ndarray, out: torch.Tensor, targets: np.ndarray,
                 lengths: np.ndarray) -> None:
     """``out[targets[i] : targets[i] + lengths[i]] = source[offsets[i] : offsets[i] + lengths[i]]`` for every
-    ``i`` (1-d uint8 tensors on one device; the pieces of ``out`` do not overlap), as one gather and one scatter
-    for all the pieces of each length rather than a copy per piece: on a GPU each copy is a kernel launch and
-    some microseconds of the calling thread (a bundle's raw planes are one piece a chunk, hundreds of them)."""
+    ``i`` (1-d uint8 tensors on one device; the pieces of ``out`` do not overlap). On a GPU, where each copy is a
+    kernel launch and some microseconds of the calling thread (a bundle's raw planes are one piece a chunk,
+    hundreds of them), as one gather and one scatter for all the pieces of each length; on the CPU a piece's
+    copy is a memcpy, faster than torch's gather of byte windows, so each is copied alone."""
+    if source.device.type == "cpu":
+        _copy_each(source, offsets, out, targets, lengths)
+    else:
+        _copy_by_length(source, offsets, out, targets, lengths)
+
+
+def _copy_each(source: torch.Tensor, offsets: np.ndarray, out: torch.Tensor, targets: np.ndarray,
+               lengths: np.ndarray) -> None:
+    for offset, target, length in zip(offsets.tolist(), targets.tolist(), lengths.tolist()):
+        out[target : target + length] = source[offset : offset + length]
+
+
+def _copy_by_length(source: torch.Tensor, offsets: np.ndarray, out: torch.Tensor, targets: np.ndarray,
+                    lengths: np.ndarray) -> None:
     order = np.argsort(lengths, kind="stable")
     distinct, firsts, counts = np.unique(lengths[order], return_index=True, return_counts=True)
     places = None
