@@ -42,7 +42,7 @@ import hsdata.io.storage
 
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
 COMPRESSED = ("zstd", "lz4")  # variants writing a compressed store (hsdata.create(..., compression=...))
-COMPRESSED_METHODS = tuple(f"hsdata {name}" for name in COMPRESSED)
+COMPRESSED_METHODS = tuple(f"hsdata{before} {name}" for before in ("", " before") for name in COMPRESSED)
 WARM_UP_LENGTHS = [16, 16]  # samples each process (and the single-writer driver) writes before it is timed
 
 # sample-length mixes: (name, draw(rng) -> tokens)
@@ -138,9 +138,10 @@ def raw_par(directory: str, samples: list[dict]) -> None:
 
 
 def hsdata_module(method: str, before: str | None):
-    """The package a method writes with: ``hsdata``, or for "hsdata before" an older copy of it (a folder
-    holding the package renamed ``hsdata_old``, e.g. ``git archive HEAD hsdata``), for a same-run comparison."""
-    if method == "hsdata before":
+    """The package a method writes with: ``hsdata``, or for "hsdata before" (and "hsdata before zstd", ...) an
+    older copy of it (a folder holding the package renamed ``hsdata_old``, e.g. ``git archive HEAD hsdata``), for
+    a same-run comparison."""
+    if method.startswith("hsdata before"):
         import importlib
         import sys
         if before not in sys.path:
@@ -156,7 +157,7 @@ def write_hsdata(directory: str, samples: list[dict], hidden: int, layers: int, 
         hsdata.io.storage.WRITEBACK_BYTES = 1 << 62
     elif method.startswith("hsdata wb-"):  # the early writeback started every N MiB instead
         hsdata.io.storage.WRITEBACK_BYTES = int(method.removeprefix("hsdata wb-")) << 20
-    compression = method.removeprefix("hsdata ") if method in COMPRESSED_METHODS else None
+    compression = method.split()[-1] if method in COMPRESSED_METHODS else None
     try:
         with package.create(directory, hidden_size=hidden, aux_layers=list(range(1, layers + 1)), model="bench",
                             compression=compression) as w:
@@ -249,7 +250,8 @@ def measure(args, mix: str, hidden: int, writers: int) -> dict:
     lengths = lengths_of(args, mix, hidden)
     scratch = os.path.join(args.dir, "out")
     methods = ["raw seq", "raw par", "hsdata"] + (["hsdata before"] if args.before else []) + \
-        [f"hsdata {v}" for v in args.variants]
+        [f"hsdata {v}" for v in args.variants] + \
+        [f"hsdata before {v}" for v in args.variants if args.before and v in COMPRESSED]
     times: dict[str, list[float]] = {m: [] for m in methods}
     disk: dict[str, int] = {}  # bytes on disk of each hsdata method's store
     if writers == 1:
@@ -324,7 +326,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="paired rounds; medians are reported")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--before", help="folder holding an older hsdata as package hsdata_old: adds method "
-                        "'hsdata before' (git archive HEAD hsdata | tar -x -C DIR; mv DIR/hsdata DIR/hsdata_old)")
+                        "'hsdata before', and 'hsdata before zstd' with variant zstd (and so on) (git archive HEAD "
+                        "hsdata | tar -x -C DIR; mv DIR/hsdata DIR/hsdata_old)")
     parser.add_argument("--values", choices=["bits", "normal"], default="bits",
                         help="sample values: random bit patterns (incompressible), or N(0, 1) in bf16 (make_samples)")
     parser.add_argument("--variants", nargs="*", default=[], choices=["no-wb", "wb-8", "wb-128", "wb-512", "cold",
