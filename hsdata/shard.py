@@ -139,15 +139,15 @@ class ShardEncoder:
 
 class CompressedShardEncoder:
     """Streams one tensor's rows into a shard file of compressed chunks: each chunk is compressed on ``pool``
-    (straight from the rows where they hold it whole, else gathered first) and written in order with its crc32c
-    on ``drain`` (one thread), up to ``in_flight`` chunks at once; the index on ``finish`` records their sizes.
-    The caller's thread does little under the GIL, and the file's writes overlap it."""
+    (straight from the rows where they hold it whole, else gathered first) and written by the same thread with its
+    crc32c, up to ``in_flight`` chunks at once; the index on ``finish`` records their sizes. A chunk's place in
+    the file is its predecessor's end, known once that one is compressed: where the file takes positional writes
+    the pool's threads write their chunks side by side, else one after another, in order. The caller's thread
+    does little under the GIL, and the file's writes overlap it."""
 
-    def __init__(self, out: AtomicWriter, spec: StoreSpec, tensor: TensorSpec, pool: Executor, drain: Executor,
-                 in_flight: int):
+    def __init__(self, out: AtomicWriter, spec: StoreSpec, tensor: TensorSpec, pool: Executor, in_flight: int):
         self._out = out
         self._pool = pool
-        self._drain = drain
         self._in_flight_max = in_flight
         self._frame = tensor.compression.encoder(tensor.itemsize)
         self._chunk_nbytes = tensor.chunk_nbytes
@@ -155,9 +155,10 @@ class CompressedShardEncoder:
         self._chunk = bytearray(self._chunk_nbytes)
         self._filled = 0
         self._chunks = 0  # chunks handed to the pool
-        self._in_flight: deque[Future] = deque()  # each chunk's write, in order
+        self._in_flight: deque[Future] = deque()  # each chunk's compression and write
+        self._end: Future = _placed(0)  # where the last chunk handed to the pool ends in the file, once known
         self._spare: deque[bytearray] = deque()  # chunk buffers written already, reused (fresh memory faults pages in)
-        self._sizes: list[int] = []  # encoded bytes of every chunk written (drain thread)
+        self._sizes: list[int] = []  # encoded bytes of every chunk placed, in order
 
     def write(self, data: memoryview) -> None:
         """Append raw row bytes; they may start and end anywhere inside a chunk. The whole chunks in ``data`` are
@@ -189,7 +190,11 @@ class CompressedShardEncoder:
             self._chunk[self._filled :] = bytes(self._chunk_nbytes - self._filled)
             self._end_chunk(self._chunk)
         self.settle()
-        self._out.writev([encode_index(self._sizes, self._num_chunks)])
+        index = encode_index(self._sizes, self._num_chunks)
+        if self._out.positional:
+            self._out.write_at([index], self._end.result())
+        else:
+            self._out.writev([index])
 
     def settle(self) -> None:
         """Wait until no chunk is in flight (none touches the file after this), then raise the first failure."""
@@ -199,35 +204,57 @@ class CompressedShardEncoder:
             task.result()
 
     def _end_chunk(self, chunk) -> Future:
-        """Hand a whole chunk (this encoder's buffer, or a view of the caller's rows) to the pool, its write to the
-        drain; return its compression."""
+        """Hand a whole chunk (this encoder's buffer, or a view of the caller's rows) to the pool; return its
+        compression (done once the chunk is no longer read)."""
         if self._chunks == self._num_chunks:
             raise AssertionError("shard overflow: more chunks written than the shard holds")
         self._chunks += 1
-        encoded = self._pool.submit(self._encode, chunk)
-        self._in_flight.append(self._drain.submit(self._write, encoded))
+        compressed, previous, self._end = Future(), self._end, Future()
+        self._in_flight.append(self._pool.submit(self._encode_and_write, chunk, compressed, previous, self._end))
         while len(self._in_flight) > self._in_flight_max or (self._in_flight and self._in_flight[0].done()):
             self._in_flight.popleft().result()
-        return encoded
+        return compressed
 
-    def _encode(self, chunk) -> tuple[list, int, bytearray | None]:
-        """The chunk's frame and its crc32c (a pool thread), and the chunk buffer to reuse once the frame is written.
-        A frame of the caller's rows is copied where it lies in them (a copied frame, raw unshuffled bytes): the
-        rows are not read once ``write`` returns."""
+    def _encode_and_write(self, chunk, compressed: Future, previous: Future, end: Future) -> None:
+        """Compress a chunk, then write its frame and crc32c where its predecessor ends (a pool thread). Chunks go
+        to the pool in order, so the predecessor is being compressed or done: waiting for it cannot deadlock.
+        A failure fails ``compressed`` and ``end`` too, so that no later chunk waits forever."""
+        try:
+            frame = self._encode(chunk)
+            compressed.set_result(None)
+            size = sum(memoryview(part).nbytes for part in frame)
+            start = previous.result()
+            self._sizes.append(size)
+            if self._out.positional:
+                end.set_result(start + size)
+                self._out.write_at(frame, start)
+            else:
+                self._out.writev(frame)
+                end.set_result(start + size)
+        except BaseException as e:
+            for future in (compressed, end):
+                if not future.done():
+                    future.set_exception(e)
+            raise
+        if isinstance(chunk, bytearray):
+            self._spare.append(chunk)  # reused only once its frame is written
+
+    def _encode(self, chunk) -> list:
+        """The chunk's frame followed by its crc32c. A frame of the caller's rows is copied where it lies in them (a
+        copied frame, raw unshuffled bytes): the rows are not read once ``write`` returns."""
         frame, crc = self._frame(chunk), 0
         if not isinstance(chunk, bytearray):
             frame = [bytes(part) if np.may_share_memory(part, chunk) else part for part in frame]
         for part in frame:
             crc = crc32c(part, crc)
-        return frame, crc, chunk if isinstance(chunk, bytearray) else None
+        return [*frame, struct.pack("<I", crc)]
 
-    def _write(self, encoded: Future) -> None:
-        """Append a chunk's frame and crc32c once compressed (the drain thread, in the chunks' order)."""
-        frame, crc, chunk = encoded.result()
-        self._out.writev([*frame, struct.pack("<I", crc)])
-        self._sizes.append(sum(memoryview(part).nbytes for part in frame) + CRC_NBYTES)
-        if chunk is not None:
-            self._spare.append(chunk)  # reused only once its frame is written
+
+def _placed(offset: int) -> Future:
+    """A future already holding ``offset``."""
+    future: Future = Future()
+    future.set_result(offset)
+    return future
 
 
 @dataclass(frozen=True)

@@ -280,8 +280,6 @@ class _PartWriter:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"hsdata-commit-{part}")
         compressed = spec.compression is not None
         self._compressor = ThreadPoolExecutor(COMPRESS_THREADS, f"hsdata-compress-{part}") if compressed else None
-        self._drains = {t.name: ThreadPoolExecutor(1, thread_name_prefix=f"hsdata-{t.name}-drain-{part}")
-                        for t in spec.tensors if t.compression is not None}  # each writes its tensor's chunks
         self._last_commit: Future = _DONE
         self._row_nbytes = sum(t.row_nbytes for t in spec.tensors)  # one token of every tensor
         self._failure: BaseException | None = None
@@ -341,7 +339,7 @@ class _PartWriter:
         self._raise_failure()
 
     def shutdown(self) -> None:
-        for executor in (*self._lanes.values(), *self._drains.values(), self._pool, self._committer,
+        for executor in (*self._lanes.values(), self._pool, self._committer,
                          self._compressor):
             if executor is not None:
                 executor.shutdown(wait=True)
@@ -391,9 +389,8 @@ class _PartWriter:
             writer = self.storage.open_writer(shard_key(self.part, tensor, shard))
             if tensor.compression is None:
                 encoder = ShardEncoder(writer, self.spec, tensor)
-            else:  # up to two chunks in flight per thread: the threads stay busy while the drain writes
-                encoder = CompressedShardEncoder(writer, self.spec, tensor, self._compressor,
-                                                 self._drains[tensor.name], 2 * COMPRESS_THREADS)
+            else:  # up to two chunks in flight per thread: the threads stay busy while others write
+                encoder = CompressedShardEncoder(writer, self.spec, tensor, self._compressor, 2 * COMPRESS_THREADS)
             self._files[tensor.name] = (writer, encoder)
         self._shard = shard
 

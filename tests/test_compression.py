@@ -144,9 +144,9 @@ def test_rows_given_to_a_compressed_shard_are_not_read_after_write_returns(tmp_p
     tensor = spec.tensor("hidden_states")
     rows = bytearray(np.random.default_rng(2).integers(0, 256, 35 * tensor.row_nbytes, dtype=np.uint8).tobytes())
     given = bytes(rows)
-    with ThreadPoolExecutor(2) as pool, ThreadPoolExecutor(1) as drain:
+    with ThreadPoolExecutor(2) as pool:
         out = Storage(str(tmp_path)).open_writer("shard")
-        encoder = CompressedShardEncoder(out, spec, tensor, pool, drain, in_flight=2)
+        encoder = CompressedShardEncoder(out, spec, tensor, pool, in_flight=2)
         encoder.write(memoryview(rows)[: 20 * tensor.row_nbytes])  # two whole chunks from the rows, four rows gathered
         rows[: 20 * tensor.row_nbytes] = bytes(20 * tensor.row_nbytes)
         encoder.write(memoryview(rows)[20 * tensor.row_nbytes :])
@@ -160,6 +160,38 @@ def test_rows_given_to_a_compressed_shard_are_not_read_after_write_returns(tmp_p
                        for offset, size in index[:5].tolist())
     assert index[5:].tolist() == [[2**64 - 1] * 2] * 3
     assert decoded == given + bytes(5 * 8 * tensor.row_nbytes - len(given))
+
+
+def test_positional_and_sequential_writes_make_the_same_shard(tmp_path):
+    """Locally the compress threads write their chunks side by side at the offsets their predecessors' ends give;
+    a remote file takes them one after another. Both make the same bytes, whatever order the chunks finish in
+    (chunks of very different sizes: zeros compress fast and small, noise is stored raw)."""
+    spec = StoreSpec.new(64, [1], compression="zstd", shard_tokens=256, chunk_tokens=8)
+    tensor = spec.tensor("hidden_states")
+    rng = np.random.default_rng(4)
+    rows = bytearray()
+    for k in range(31):  # 31 chunks of 32, the last partial one padded; the index marks one chunk missing
+        kind = k % 3
+        rows += (bytes(tensor.chunk_nbytes) if kind == 0 else states_bytes(tensor.chunk_nbytes, k) if kind == 1
+                 else rng.integers(0, 256, tensor.chunk_nbytes, dtype=np.uint8).tobytes())
+    rows = rows[: -tensor.row_nbytes * 3]
+    shards = []
+    for url in (str(tmp_path), "memory://positional-vs-sequential"):
+        out = Storage(url).open_writer("shard")
+        assert out.positional == (url == str(tmp_path))
+        with ThreadPoolExecutor(4) as pool:
+            encoder = CompressedShardEncoder(out, spec, tensor, pool, in_flight=8)
+            for start in range(0, len(rows), 5 * tensor.row_nbytes):  # whole chunks straight from the rows, and gathered
+                encoder.write(memoryview(rows)[start : start + 5 * tensor.row_nbytes])
+            encoder.finish()
+        out.commit()
+        shards.append(Storage(url).read_bytes("shard"))
+    assert shards[0] == shards[1]
+    chunks = chunks_per_shard(spec, tensor)
+    index = decode_index(shards[0][-index_nbytes(chunks):], chunks, where="shard")
+    decoded = b"".join(bytes(numcodecs.blosc.decompress(shards[0][offset : offset + size - 4]))
+                       for offset, size in index[:31].tolist())
+    assert decoded == bytes(rows) + bytes(31 * tensor.chunk_nbytes - len(rows))
 
 
 def test_one_encoder_shared_by_threads_writes_what_it_writes_alone():

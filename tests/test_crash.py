@@ -102,7 +102,7 @@ def test_kill_9_at_random_moments_loses_nothing_committed(tmp_path, kill_a_write
     assert validate(str(store)).ok
 
 
-@pytest.mark.parametrize("compression", [None, "zstd"])  # zstd: the chunks' writes fail on their drain thread
+@pytest.mark.parametrize("compression", [None, "zstd"])  # zstd: the chunks' writes fail on the compress threads
 def test_filesystem_full_gives_a_clear_error_and_a_valid_store(small_filesystem, compression):
     store = small_filesystem / "store"
     written = {}

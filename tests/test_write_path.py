@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -49,10 +50,11 @@ def test_shard_bytes_match_the_plain_encoding_whatever_the_write_sizes(tmp_path,
     assert (tmp_path / "shard").read_bytes() == expected
 
 
-def test_short_writes_resume_where_they_stopped(tmp_path, monkeypatch):
-    real = os.writev
+def short_writes(monkeypatch):
+    """Make every ``pwritev`` of the storage module write at most 1000 bytes, as a signal-interrupted write may."""
+    real = os.pwritev
 
-    def short(fd, buffers):  # at most 1000 bytes per call, as a signal-interrupted write may do
+    def short(fd, buffers, offset):
         budget, pieces = 1000, []
         for b in buffers:
             piece = memoryview(b)[:budget]
@@ -60,9 +62,13 @@ def test_short_writes_resume_where_they_stopped(tmp_path, monkeypatch):
             budget -= piece.nbytes
             if not budget:
                 break
-        return real(fd, pieces)
+        return real(fd, pieces, offset)
 
-    monkeypatch.setattr(storage_module.os, "writev", short)
+    monkeypatch.setattr(storage_module.os, "pwritev", short)
+
+
+def test_short_writes_resume_where_they_stopped(tmp_path, monkeypatch):
+    short_writes(monkeypatch)
     storage = storage_module.Storage(str(tmp_path))
     writer = storage.open_writer("f")
     parts = [os.urandom(n) for n in (3, storage_module.SMALL_WRITE_BYTES + 11, 5, 1 << 20, 2)]
@@ -73,10 +79,33 @@ def test_short_writes_resume_where_they_stopped(tmp_path, monkeypatch):
     assert (tmp_path / "f").read_bytes() == b"".join(parts)
 
 
+def test_positional_writes_from_threads_land_at_their_offsets(tmp_path, monkeypatch):
+    """A compressed shard's frames are written side by side by the compress threads, each at the offset its
+    predecessor's end gave it, in pieces (a short write resumes at its own offset), with writeback started on the
+    way (every 64 KiB here)."""
+    short_writes(monkeypatch)
+    monkeypatch.setattr(storage_module, "WRITEBACK_BYTES", 64 << 10)
+    started = []
+    monkeypatch.setattr(storage_module, "_start_writeback", lambda fd, offset, nbytes: started.append((offset, nbytes)))
+    rng = np.random.default_rng(3)
+    frames = [[os.urandom(int(n)) for n in rng.integers(0, 20_000, 3)] for _ in range(64)]
+    offsets = np.cumsum([0] + [sum(map(len, frame)) for frame in frames]).tolist()
+    writer = storage_module.Storage(str(tmp_path)).open_writer("f")
+    assert writer.positional
+    with ThreadPoolExecutor(4) as pool:
+        order = [k ^ 3 for k in range(len(frames))]  # out of order within each four
+        list(pool.map(writer.write_at, [frames[k] for k in order], [offsets[k] for k in order]))
+    writer.commit()
+    assert (tmp_path / "f").read_bytes() == b"".join(b"".join(frame) for frame in frames)
+    assert len(started) >= 8 and all(n > 0 and offset + n <= offsets[-1] for offset, n in started)
+    assert [offset for offset, _ in started] == sorted(offset for offset, _ in started)  # each past the last
+
+
 def test_small_writes_are_gathered(tmp_path, monkeypatch):
     calls = []
-    real = os.writev
-    monkeypatch.setattr(storage_module.os, "writev", lambda fd, bufs: calls.append(len(bufs)) or real(fd, bufs))
+    real = os.pwritev
+    monkeypatch.setattr(storage_module.os, "pwritev",
+                        lambda fd, bufs, offset: calls.append(len(bufs)) or real(fd, bufs, offset))
     storage = storage_module.Storage(str(tmp_path))
     writer = storage.open_writer("f")
     for _ in range(1000):

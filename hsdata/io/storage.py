@@ -535,8 +535,14 @@ class AtomicWriter:
     def write(self, data) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    positional = False  # whether ``write_at`` works: the file's bytes may be written at any offset, from any thread
+
     def writev(self, buffers) -> None:  # pragma: no cover - interface
         """Append each of ``buffers`` in order (one gathered write where the storage has them)."""
+        raise NotImplementedError
+
+    def write_at(self, buffers, offset: int) -> None:  # pragma: no cover - interface
+        """Write ``buffers`` one after another from byte ``offset`` (only where ``positional``)."""
         raise NotImplementedError
 
     def commit(self, *, exclusive: bool = False) -> bool:  # pragma: no cover - interface
@@ -547,9 +553,13 @@ class AtomicWriter:
 
 
 class _LocalAtomicWriter(AtomicWriter):
-    """A local file written through its descriptor: large buffers go to ``write``/``writev`` as they are (no copy
-    in user space), small ones are gathered into ``SMALL_WRITE_BYTES`` first, so that neither a 4-byte crc32c
-    trailer nor a 16-byte sample costs a system call of its own."""
+    """A local file written through its descriptor: large buffers go to ``pwritev`` as they are (no copy in user
+    space), small appended ones are gathered into ``SMALL_WRITE_BYTES`` first, so that neither a 4-byte crc32c
+    trailer nor a 16-byte sample costs a system call of its own. ``write_at`` may be called from several threads
+    at once (a compressed shard's frames, at offsets assigned in order); a file is written by ``writev`` or by
+    ``write_at``, not both."""
+
+    positional = True
 
     def __init__(self, path: str):
         self.path = path
@@ -558,8 +568,11 @@ class _LocalAtomicWriter(AtomicWriter):
         self._partial = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.partial")
         self._fd: int | None = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         self._small = bytearray()  # gathered small writes, written before anything that follows them
+        self._lock = threading.Lock()  # guards the counts below (write_at's threads)
+        self._end = 0  # the end of the bytes written so far: where writev appends
         self._written = 0  # bytes handed to the kernel so far
-        self._flushed = 0  # of which writeback has been started (sync_file_range)
+        self._flushed = 0  # of which writeback has been started (sync_file_range) ...
+        self._flushed_end = 0  # ... up to this offset
 
     def write(self, data) -> None:
         self.writev((data,))
@@ -578,19 +591,25 @@ class _LocalAtomicWriter(AtomicWriter):
                     out.append(self._take_small())
                 out.append(view)
         if out:
-            self._write_all(out)
+            self._write_all(out, self._end)
+
+    def write_at(self, buffers, offset: int) -> None:
+        self._write_all([memoryview(data).cast("B") for data in buffers], offset)
 
     def _take_small(self) -> memoryview:
         small, self._small = self._small, bytearray()
         return memoryview(small)
 
-    def _write_all(self, views: list) -> None:
-        total = sum(v.nbytes for v in views)
+    def _write_all(self, views: list, offset: int) -> None:
+        """``pwritev`` the views from ``offset``, resumed where a write stops short; the writeback of what was
+        written is started every ``WRITEBACK_BYTES``."""
+        total, at = sum(v.nbytes for v in views), offset
         while views:
             batch = views[:IOV_MAX]
-            written = os.writev(self._fd, batch)
+            written = os.pwritev(self._fd, batch, at)
             if not written:
                 raise OSError(errno.ENOSPC, "no progress writing", self._partial)
+            at += written
             done = 0
             while done < len(batch) and written >= batch[done].nbytes:  # a short write resumes where it stopped
                 written -= batch[done].nbytes
@@ -598,10 +617,14 @@ class _LocalAtomicWriter(AtomicWriter):
             views = views[done:]
             if written:
                 views[0] = views[0][written:]
-        self._written += total
-        if self._written - self._flushed >= WRITEBACK_BYTES:
-            _start_writeback(self._fd, self._flushed, self._written - self._flushed)
-            self._flushed = self._written
+        with self._lock:
+            self._written += total
+            self._end = max(self._end, offset + total)
+            start, end = self._flushed_end, self._end
+            if self._written - self._flushed < WRITEBACK_BYTES or end == start:  # (0 bytes: to the file's end)
+                return
+            self._flushed, self._flushed_end = self._written, end
+        _start_writeback(self._fd, start, end - start)  # a range another thread has not filled yet: only a hint
 
     def commit(self, *, exclusive: bool = False) -> bool:
         self._flush_small()
@@ -622,7 +645,7 @@ class _LocalAtomicWriter(AtomicWriter):
 
     def _flush_small(self) -> None:
         if self._small:
-            self._write_all([self._take_small()])
+            self._write_all([self._take_small()], self._end)
 
     def abort(self) -> None:
         if self._fd is not None:
