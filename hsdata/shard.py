@@ -103,9 +103,10 @@ class ShardEncoder:
         self._crc = 0
         self._chunks = 0  # complete chunks written
 
-    def write(self, data: memoryview) -> None:
+    def write(self, data: memoryview) -> list[Future]:
         """Append raw row bytes; they may start and end anywhere inside a chunk. Everything is handed to the
-        file in one ``writev``: the row bytes as they are, the crc32c trailers between them."""
+        file in one ``writev``: the row bytes as they are, the crc32c trailers between them; nothing reads
+        ``data`` once this returns (no task returned, as :meth:`CompressedShardEncoder.write` may)."""
         view = memoryview(data).cast("B")
         out = []
         while view.nbytes:
@@ -117,6 +118,7 @@ class ShardEncoder:
             if self._filled == self._chunk_nbytes:
                 out.append(self._end_chunk())
         self._out.writev(out)
+        return []
 
     def settle(self) -> None:
         """Nothing to wait for: every write happens on the caller's thread."""
@@ -139,11 +141,13 @@ class ShardEncoder:
 
 class CompressedShardEncoder:
     """Streams one tensor's rows into a shard file of compressed chunks: each chunk is compressed on ``pool``
-    (straight from the rows where they hold it whole, else gathered first) and written by the same thread with its
-    crc32c, up to ``in_flight`` chunks at once; the index on ``finish`` records their sizes. A chunk's place in
-    the file is its predecessor's end, known once that one is compressed: where the file takes positional writes
-    the pool's threads write their chunks side by side, else one after another, in order. The caller's thread
-    does little under the GIL, and the file's writes overlap it."""
+    (straight from the rows where they hold it whole, else gathered first), up to ``in_flight`` chunks at once;
+    the index on ``finish`` records their sizes. A chunk's place in the file is its predecessor's end, known once
+    that one is compressed: the thread that compresses the chunk completing the run of compressed chunks since
+    the last one placed places that run, so no thread waits for another. Where the file takes positional writes
+    each thread writes the frames it placed, side by side with the others; else one thread at a time writes
+    every frame placed, in order. The caller's thread does little under the GIL and never waits for a chunk
+    unless ``in_flight`` are."""
 
     def __init__(self, out: AtomicWriter, spec: StoreSpec, tensor: TensorSpec, pool: Executor, in_flight: int):
         self._out = out
@@ -156,14 +160,18 @@ class CompressedShardEncoder:
         self._filled = 0
         self._chunks = 0  # chunks handed to the pool
         self._in_flight: deque[Future] = deque()  # each chunk's compression and write
-        self._end: Future = _placed(0)  # where the last chunk handed to the pool ends in the file, once known
         self._spare: deque[bytearray] = deque()  # chunk buffers written already, reused (fresh memory faults pages in)
+        self._lock = threading.Lock()  # guards what follows: placing frames in the file
+        self._compressed: dict[int, tuple] = {}  # chunk number -> (frame, chunk) compressed, not yet placed
         self._sizes: list[int] = []  # encoded bytes of every chunk placed, in order
+        self._end = 0  # where the chunks placed end in the file
+        self._unwritten: deque[tuple] = deque()  # (frame, chunk) placed, not yet written (sequential files only)
+        self._writing = False  # whether a thread is writing ``_unwritten`` (sequential files only)
 
-    def write(self, data: memoryview) -> None:
+    def write(self, data: memoryview) -> list[Future]:
         """Append raw row bytes; they may start and end anywhere inside a chunk. The whole chunks in ``data`` are
-        compressed straight from it (no copy under the GIL), the rest is gathered into a chunk buffer; ``data`` is
-        not read after this returns."""
+        compressed straight from it (no copy under the GIL), the rest is gathered into a chunk buffer. Returns
+        the compressions still reading ``data``: it must stay as it is until they are done."""
         view, direct = memoryview(data).cast("B"), []
         try:
             while view.nbytes:
@@ -179,10 +187,10 @@ class CompressedShardEncoder:
                     self._end_chunk(self._chunk)
                     self._chunk = self._spare.popleft() if self._spare else bytearray(self._chunk_nbytes)
                     self._filled = 0
-        finally:
-            wait(direct)  # whatever failed, the rows are not read once this returns
-        for task in direct:
-            task.result()
+        except BaseException:
+            wait(direct)  # the rows are not read once this raises
+            raise
+        return direct
 
     def finish(self) -> None:
         """Compress the last partial chunk zero-padded, wait for every chunk's write, then write the index."""
@@ -192,7 +200,7 @@ class CompressedShardEncoder:
         self.settle()
         index = encode_index(self._sizes, self._num_chunks)
         if self._out.positional:
-            self._out.write_at([index], self._end.result())
+            self._out.write_at([index], self._end)
         else:
             self._out.writev([index])
 
@@ -208,53 +216,66 @@ class CompressedShardEncoder:
         compression (done once the chunk is no longer read)."""
         if self._chunks == self._num_chunks:
             raise AssertionError("shard overflow: more chunks written than the shard holds")
+        compressed: Future = Future()
+        self._in_flight.append(self._pool.submit(self._encode_and_write, self._chunks, chunk, compressed))
         self._chunks += 1
-        compressed, previous, self._end = Future(), self._end, Future()
-        self._in_flight.append(self._pool.submit(self._encode_and_write, chunk, compressed, previous, self._end))
         while len(self._in_flight) > self._in_flight_max or (self._in_flight and self._in_flight[0].done()):
             self._in_flight.popleft().result()
         return compressed
 
-    def _encode_and_write(self, chunk, compressed: Future, previous: Future, end: Future) -> None:
-        """Compress a chunk, then write its frame and crc32c where its predecessor ends (a pool thread). Chunks go
-        to the pool in order, so the predecessor is being compressed or done: waiting for it cannot deadlock.
-        A failure fails ``compressed`` and ``end`` too, so that no later chunk waits forever."""
+    def _encode_and_write(self, number: int, chunk, compressed: Future) -> None:
+        """Compress chunk ``number``, place every compressed chunk whose predecessors are placed, and write them
+        (a pool thread). A chunk that fails is never placed, nor is any after it: the shard is not committed."""
         try:
             frame = self._encode(chunk)
-            compressed.set_result(None)
-            size = sum(memoryview(part).nbytes for part in frame)
-            start = previous.result()
-            self._sizes.append(size)
-            if self._out.positional:
-                end.set_result(start + size)
-                self._out.write_at(frame, start)
-            else:
-                self._out.writev(frame)
-                end.set_result(start + size)
         except BaseException as e:
-            for future in (compressed, end):
-                if not future.done():
-                    future.set_exception(e)
+            compressed.set_exception(e)
             raise
+        compressed.set_result(None)
+        with self._lock:
+            self._compressed[number] = frame, chunk
+            placed = []  # (frame, chunk, offset) of each chunk this thread places
+            while len(self._sizes) in self._compressed:
+                ready, source = self._compressed.pop(len(self._sizes))
+                size = sum(memoryview(part).nbytes for part in ready)
+                placed.append((ready, source, self._end))
+                self._sizes.append(size)
+                self._end += size
+            if not self._out.positional:
+                self._unwritten.extend(placed)
+                writes = not self._writing  # else the thread writing writes these after those before them
+                self._writing = True
+        if self._out.positional:
+            for ready, source, offset in placed:
+                self._out.write_at(ready, offset)
+                self._reuse(source)
+        elif writes:
+            self._write_in_order()
+
+    def _write_in_order(self) -> None:
+        """Write every frame placed until none is left unwritten (one thread at a time, for a sequential file)."""
+        while True:
+            with self._lock:
+                if not self._unwritten:
+                    self._writing = False
+                    return
+                frame, chunk, _ = self._unwritten.popleft()
+            self._out.writev(frame)  # a failure leaves ``_writing`` set: nothing more is written
+            self._reuse(chunk)
+
+    def _reuse(self, chunk) -> None:
         if isinstance(chunk, bytearray):
             self._spare.append(chunk)  # reused only once its frame is written
 
     def _encode(self, chunk) -> list:
         """The chunk's frame followed by its crc32c. A frame of the caller's rows is copied where it lies in them (a
-        copied frame, raw unshuffled bytes): the rows are not read once ``write`` returns."""
+        copied frame, raw unshuffled bytes): the rows are not read once its compression is done."""
         frame, crc = self._frame(chunk), 0
         if not isinstance(chunk, bytearray):
             frame = [bytes(part) if np.may_share_memory(part, chunk) else part for part in frame]
         for part in frame:
             crc = crc32c(part, crc)
         return [*frame, struct.pack("<I", crc)]
-
-
-def _placed(offset: int) -> Future:
-    """A future already holding ``offset``."""
-    future: Future = Future()
-    future.set_result(offset)
-    return future
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,7 @@ class _PartWriter:
     tensor's file work in the order it was submitted (rows, then the shard's finish and fsync, then the next
     shard's rows), so a large tensor's writes never wait for a small tensor's, nor one sample for the previous one.
     Large tensors are hashed on a pool beside their writes. Commits run in order on a committer thread once the
-    files and hashes they cover are done; a sample's queued bytes are released when its writes and hashes are.
+    files and hashes they cover are done; a sample's queued bytes are released once nothing reads them.
     """
 
     def __init__(self, storage: Storage, spec: StoreSpec, part: str, provenance: dict | None):
@@ -285,8 +285,8 @@ class _PartWriter:
         self._failure: BaseException | None = None
 
     def append(self, sample: inputs.Sample, on_written: Callable[[], None]) -> None:
-        """Stream the sample's rows into the open shard(s) and return; ``on_written`` runs once its writes and
-        hashes are done (failed or not). A small sample is written on this thread when the lanes are idle (a
+        """Stream the sample's rows into the open shard(s) and return; ``on_written`` runs once nothing reads its
+        rows any more (written, or compressed into frames the encoders write) and its hashes are done. A small sample is written on this thread when the lanes are idle (a
         hand-off costs more than the work). A full shard is closed and committed behind the writes."""
         self._raise_failure()
         start, total, shard_tokens = self._next_token, sample.num_tokens, self.spec.shard_tokens
@@ -301,21 +301,22 @@ class _PartWriter:
                 self._open_shard(shard)
             count = min(total - done, (shard + 1) * shard_tokens - position)
             first = done == 0
-            if count * self._row_nbytes < INLINE_BYTES and all(task.done() for task in self._last.values()):
-                for name, array in sample.arrays.items():
-                    value = self._write_rows(self._files[name][1], array, done, count, first and name not in hashes)
+            inline = count * self._row_nbytes < INLINE_BYTES and all(task.done() for task in self._last.values())
+            for name, array in sample.arrays.items():
+                hash_it, read = first and name not in hashes, Future()
+                tasks.append(read)
+                if inline:
+                    value = self._write_rows(self._files[name][1], array, done, count, hash_it, read)
                     if first:
                         hashes.setdefault(name, value)
-            else:
+                    continue
                 small = count * self._row_nbytes < INLINE_BYTES  # hashed in its lane, not on the pool
-                for name, array in sample.arrays.items():
-                    hash_it = first and name not in hashes
-                    task = self._submit(name, self._write_rows, self._files[name][1], array, done, count,
-                                        hash_it and small)
-                    tasks.append(task)
-                    if hash_it:
-                        hashes[name] = task if small else self._pool.submit(manifest.content_hash, array)
-                        tasks.append(hashes[name])
+                task = self._submit(name, self._write_rows, self._files[name][1], array, done, count,
+                                    hash_it and small, read)
+                tasks.append(task)
+                if hash_it:
+                    hashes[name] = task if small else self._pool.submit(manifest.content_hash, array)
+                    tasks.append(hashes[name])
             done += count
             self._next_token = position + count
             if self._next_token % shard_tokens == 0:
@@ -324,8 +325,16 @@ class _PartWriter:
         _when_all(tasks, on_written)
 
     @staticmethod
-    def _write_rows(encoder: ShardEncoder, array, first_row: int, count: int, with_hash: bool) -> int | None:
-        encoder.write(memoryview(array[first_row : first_row + count]))
+    def _write_rows(encoder: ShardEncoder | CompressedShardEncoder, array, first_row: int, count: int,
+                    with_hash: bool, read: Future) -> int | None:
+        """Write rows of ``array``; ``read`` is done once nothing reads them any more: at once, or once the
+        compressions reading them are (the lane goes on to the next rows meanwhile)."""
+        try:
+            reading = encoder.write(memoryview(array[first_row : first_row + count]))
+        except BaseException as e:
+            read.set_exception(e)
+            raise
+        _when_all(reading, partial(read.set_result, None))
         return manifest.content_hash(array) if with_hash else None
 
     def flush(self) -> None:

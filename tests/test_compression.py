@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numcodecs.blosc
 import numpy as np
@@ -91,6 +91,8 @@ def test_an_incompressible_chunk_is_stored_as_a_copied_frame(preset):
     (2, 1, "shuffle", 3, 10),  # blocks of 4 bytes (two items), the last one shorter
     (2, 1, "shuffle", 1 << 20, (1 << 21) + (1 << 18)),  # 2.25 MiB (aux at H = 384): three blocks of 768 KiB
     (4, 9, "shuffle", 0, 4 * 5000),  # the whole chunk one block, four planes
+    (8, 1, "shuffle", 0, 8 * 3000 + 5),  # eight planes, then the bytes past the last item: a last, shorter block
+    (2, 1, "shuffle", 0, 2 * 5000 + 1),
     (2, 1, "shuffle", 128, 4096),  # blocks too small to cut (64 items < 128)
     (1, 1, "shuffle", 0, 50_000),  # one byte an item: nothing to shuffle (fp8)
     (2, 3, "noshuffle", 8192, 40_000),
@@ -136,10 +138,10 @@ def test_a_stream_whose_head_does_not_compress_is_stored_raw():
     assert bytes(numcodecs.blosc.decompress(frame)) == chunk
 
 
-def test_rows_given_to_a_compressed_shard_are_not_read_after_write_returns(tmp_path):
+def test_rows_given_to_a_compressed_shard_are_not_read_once_their_compressions_are_done(tmp_path):
     """Whole chunks are compressed straight from the caller's rows; incompressible ones become copied frames, which
-    would lie in those rows: the writer's buffers are reused as soon as ``write`` returns, so the shard must hold
-    what the rows held then."""
+    would lie in those rows: the writer's buffers are reused as soon as the compressions ``write`` returns are
+    done (rows gathered into the encoder's own buffer at once), so the shard must hold what the rows held then."""
     spec = StoreSpec.new(64, [1], compression="zstd", shard_tokens=64, chunk_tokens=8)
     tensor = spec.tensor("hidden_states")
     rows = bytearray(np.random.default_rng(2).integers(0, 256, 35 * tensor.row_nbytes, dtype=np.uint8).tobytes())
@@ -147,9 +149,13 @@ def test_rows_given_to_a_compressed_shard_are_not_read_after_write_returns(tmp_p
     with ThreadPoolExecutor(2) as pool:
         out = Storage(str(tmp_path)).open_writer("shard")
         encoder = CompressedShardEncoder(out, spec, tensor, pool, in_flight=2)
-        encoder.write(memoryview(rows)[: 20 * tensor.row_nbytes])  # two whole chunks from the rows, four rows gathered
+        reading = encoder.write(memoryview(rows)[: 20 * tensor.row_nbytes])  # two whole chunks, four rows gathered
+        assert len(reading) == 2
+        wait(reading)
         rows[: 20 * tensor.row_nbytes] = bytes(20 * tensor.row_nbytes)
-        encoder.write(memoryview(rows)[20 * tensor.row_nbytes :])
+        reading = encoder.write(memoryview(rows)[20 * tensor.row_nbytes :])  # 4 rows gathered, a chunk, 3 gathered
+        assert len(reading) == 1
+        wait(reading)
         rows[:] = bytes(len(rows))
         encoder.finish()
         out.commit()
@@ -192,6 +198,39 @@ def test_positional_and_sequential_writes_make_the_same_shard(tmp_path):
     decoded = b"".join(bytes(numcodecs.blosc.decompress(shards[0][offset : offset + size - 4]))
                        for offset, size in index[:31].tolist())
     assert decoded == bytes(rows) + bytes(31 * tensor.chunk_nbytes - len(rows))
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_chunk_that_fails_to_compress_fails_its_shard_and_no_chunk_after_it_is_placed(tmp_path, remote):
+    """Chunks are placed in order by whichever thread completes the run: one that fails stops the run there (the
+    chunks after it are compressed but never placed nor written), its error reaches the caller, and the shard,
+    never finished, is not committed."""
+    spec = StoreSpec.new(64, [1], compression="zstd", shard_tokens=256, chunk_tokens=8)
+    tensor = spec.tensor("hidden_states")
+    rows = b"".join(states_bytes(tensor.chunk_nbytes, seed) for seed in range(20))
+    bad = rows[5 * tensor.chunk_nbytes : 6 * tensor.chunk_nbytes]
+    storage = Storage(f"memory://failing-chunk-{tmp_path.name}" if remote else str(tmp_path))
+    out = storage.open_writer("shard")
+    with ThreadPoolExecutor(4) as pool:
+        encoder = CompressedShardEncoder(out, spec, tensor, pool, in_flight=8)
+        encode = encoder._frame
+
+        def failing(chunk):
+            if bytes(chunk) == bad:
+                raise MemoryError("zstd: out of memory")
+            return encode(chunk)
+
+        encoder._frame = failing
+        with pytest.raises(MemoryError, match="out of memory"):
+            for start in range(0, len(rows), 3 * tensor.row_nbytes):
+                wait(encoder.write(memoryview(rows)[start : start + 3 * tensor.row_nbytes]))
+            encoder.finish()
+    assert len(encoder._sizes) == 5  # the pool has run every chunk handed to it
+    if remote:  # memory:// shows a file as it is written: the five frames placed, in order, and nothing else
+        frames = [joined(encode(rows[k * tensor.chunk_nbytes : (k + 1) * tensor.chunk_nbytes])) for k in range(5)]
+        assert out._file.getvalue() == b"".join(frame + struct.pack("<I", crc32c(frame)) for frame in frames)
+    out.abort()
+    assert remote or not storage.exists("shard")
 
 
 def test_one_encoder_shared_by_threads_writes_what_it_writes_alone():

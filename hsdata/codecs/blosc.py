@@ -24,6 +24,7 @@ STREAM_SIZE = struct.Struct("<i")
 # and its frames decode faster (benchmarks/RESULTS.md, "hsdata's own zstd encoder").
 FAST_PARAMETERS = dict(window_log=20, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
                        strategy=zstandard.STRATEGY_FAST)
+UNSIGNED_ITEMS = {n: np.dtype(f"<u{n}") for n in (2, 4, 8)}  # items whose bytes a shift picks out
 PROBE_BYTES = 16 << 10  # a stream whose first PROBE_BYTES save less than 1/32 when compressed is stored raw
 
 
@@ -128,8 +129,9 @@ def _coded_streams(buffer: np.ndarray, starts: np.ndarray, cbytes: np.ndarray, f
 def split_count(flags, typesize, blocksize, block):
     """How many streams a block of ``block`` bytes is cut into, in a frame of ``flags``, ``typesize`` and
     ``blocksize`` (numbers or arrays of them): ``typesize`` where the frame allows it and the block is whole."""
-    return np.where((flags & DONT_SPLIT == 0) & (typesize <= MAX_SPLITS) & (blocksize // typesize >= MIN_BUFFERSIZE)
-                    & (block == blocksize), typesize, 1)
+    split = (flags & DONT_SPLIT == 0) & (typesize <= MAX_SPLITS) & (blocksize // typesize >= MIN_BUFFERSIZE) \
+        & (block == blocksize)
+    return 1 + (typesize - 1) * split  # no np.where: the encoder asks this of plain numbers, once a chunk
 
 
 def _int32s(buffer: np.ndarray, at: np.ndarray) -> np.ndarray:
@@ -172,7 +174,10 @@ def encode_zstd(chunk, typesize: int, clevel: int, shuffle: bool, blocksize: int
     (:func:`zstd_compressor`). The GIL is released while zstd runs."""
     data = np.frombuffer(chunk, np.uint8)
     nbytes, shuffled = len(data), shuffle and typesize > 1
-    size = -(-nbytes // (-(-nbytes // blocksize) * typesize)) * typesize if 0 < blocksize < nbytes else nbytes
+    if 0 < blocksize < nbytes:
+        size = -(-nbytes // (-(-nbytes // blocksize) * typesize)) * typesize
+    else:  # one block of whole items (as c-blosc's): bytes past the last item, if any, are a last, shorter one
+        size = nbytes - nbytes % typesize if nbytes > typesize else nbytes
     blocks = -(-nbytes // size)
     flags = (SHUFFLED if shuffled else DONT_SPLIT) | ZSTD_FORMAT << 5
     compressor = zstd_compressor(clevel)
@@ -180,7 +185,7 @@ def encode_zstd(chunk, typesize: int, clevel: int, shuffle: bool, blocksize: int
     for k in range(blocks):
         block = data[k * size : (k + 1) * size]
         starts[k] = at
-        splits = int(split_count(flags, typesize, size, len(block)))
+        splits = split_count(flags, typesize, size, len(block))
         for stream in _block_streams(block, typesize, shuffled, splits):
             coded = _compress_stream(compressor, stream, probe=splits > 1 or not shuffled)
             parts += [STREAM_SIZE.pack(len(coded)), coded]
@@ -211,9 +216,15 @@ def _block_streams(block: np.ndarray, typesize: int, shuffled: bool, splits: int
     if not shuffled:
         return [block]
     items = len(block) // typesize
-    planes = block[: items * typesize].reshape(items, typesize)
-    planes = [np.ascontiguousarray(planes[:, b]) for b in range(typesize)]
-    return planes if splits > 1 else [np.concatenate([*planes, block[items * typesize :]])]
+    planes = np.empty((typesize, items), np.uint8)
+    if typesize in UNSIGNED_ITEMS:  # byte b of each item by shifts of whole items: ~4x a strided copy's speed
+        values = block[: items * typesize].view(UNSIGNED_ITEMS[typesize])
+        np.copyto(planes[0], values, casting="unsafe")  # the low byte
+        for b in range(1, typesize):
+            np.right_shift(values, 8 * b, out=planes[b], casting="unsafe")
+    else:
+        planes[:] = block[: items * typesize].reshape(items, typesize).T
+    return list(planes) if splits > 1 else [np.concatenate([planes.reshape(-1), block[items * typesize :]])]
 
 
 def _compress_stream(compressor: zstandard.ZstdCompressor, stream: np.ndarray, probe: bool):
