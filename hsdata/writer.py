@@ -286,8 +286,9 @@ class _PartWriter:
 
     def append(self, sample: inputs.Sample, on_written: Callable[[], None]) -> None:
         """Stream the sample's rows into the open shard(s) and return; ``on_written`` runs once nothing reads its
-        rows any more (written, or compressed into frames the encoders write) and its hashes are done. A small sample is written on this thread when the lanes are idle (a
-        hand-off costs more than the work). A full shard is closed and committed behind the writes."""
+        rows any more (written, or compressed into frames the encoders write) and its hashes are done. A small
+        sample is written on this thread when the lanes are idle (a hand-off costs more than the work). A full
+        shard is closed and committed behind the writes."""
         self._raise_failure()
         start, total, shard_tokens = self._next_token, sample.num_tokens, self.spec.shard_tokens
         tasks: list[Future] = []
