@@ -29,7 +29,9 @@ from .io.storage import Storage
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 INLINE_BYTES = 1 << 20  # rows of a sample smaller than this are written on the writer thread itself
-COMPRESS_THREADS = min(16, os.cpu_count() or 1)  # a compressed store's chunks are compressed on this many threads
+# a compressed store's chunks are compressed on this many threads; more than 8 write slower, not faster: each thread takes
+# the GIL back after every zstd, crc32c and write call (benchmarks/RESULTS.md, "Eight compress threads")
+COMPRESS_THREADS = min(8, os.cpu_count() or 1)
 
 
 def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None = None, *,
@@ -59,7 +61,8 @@ def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None 
     Memory: ``add`` returns once the sample is queued, and blocks while the queued samples not yet written hold
     more than ``max_pending_bytes`` (1 GiB). A compressed writer also holds, per hidden tensor, up to
     ``2 * COMPRESS_THREADS + 2`` chunks being compressed and their encoded bytes (measured at H = 7168: 418 MiB
-    on 16 threads, 102 MiB on 2; an uncompressed writer 11 MiB beyond the queued samples).
+    on 16 threads, 102 MiB on 2; on the 8 it uses where there are 8 cores, half of 16's: 50 against 99 MiB resident
+    above the samples in one 1.5 GiB write; an uncompressed writer 11 MiB beyond the queued samples).
     """
     if max_pending_bytes <= 0:
         raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")

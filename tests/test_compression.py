@@ -138,6 +138,25 @@ def test_a_stream_whose_head_does_not_compress_is_stored_raw():
     assert bytes(numcodecs.blosc.decompress(frame)) == chunk
 
 
+def test_each_byte_plane_is_probed_and_kept_on_its_own():
+    """All of a chunk's streams are probed in one call and compressed in another: each plane of each block still
+    gets its own verdict, in its place (4-byte items: planes 0 and 2 noise, 1 and 3 constant; two blocks, the second
+    with its noise and constant planes swapped)."""
+    items, rng = 4 * PROBE_BYTES, np.random.default_rng(2)
+    blocks = []
+    for noisy in ((0, 2), (1, 3)):
+        planes = np.zeros((4, items), np.uint8)
+        planes[list(noisy)] = rng.integers(0, 256, (2, items), dtype=np.uint8)
+        blocks.append(planes.T.reshape(-1))
+    chunk = np.concatenate(blocks).tobytes()
+    frame = joined(Compression("zstd", 1, "shuffle", 4 * items).encoder(4)(bytearray(chunk)))
+    streams = blosc_streams(frame, len(chunk))
+    assert list(streams.lengths) == [items] * 8
+    raw = [int(size) == items for size in streams.sizes]
+    assert raw == [True, False, True, False, False, True, False, True]
+    assert bytes(numcodecs.blosc.decompress(frame)) == chunk
+
+
 def test_rows_given_to_a_compressed_shard_are_not_read_once_their_compressions_are_done(tmp_path):
     """Whole chunks are compressed straight from the caller's rows; incompressible ones become copied frames, which
     would lie in those rows: the writer's buffers are reused as soon as the compressions ``write`` returns are

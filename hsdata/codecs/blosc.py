@@ -4,6 +4,7 @@ other than blosc, a GPU's) and decoding one (:func:`decode_into`, blosc's own de
 
 from __future__ import annotations
 
+import itertools
 import struct
 import threading
 from dataclasses import dataclass
@@ -180,16 +181,21 @@ def encode_zstd(chunk, typesize: int, clevel: int, shuffle: bool, blocksize: int
         size = nbytes - nbytes % typesize if nbytes > typesize else nbytes
     blocks = -(-nbytes // size)
     flags = (SHUFFLED if shuffled else DONT_SPLIT) | ZSTD_FORMAT << 5
-    compressor = zstd_compressor(clevel)
-    starts, parts, at = np.zeros(blocks, "<i4"), [], BLOSC_HEADER.size + 4 * blocks
+    streams, probes, counts = [], [], []
     for k in range(blocks):
         block = data[k * size : (k + 1) * size]
-        starts[k] = at
         splits = split_count(flags, typesize, size, len(block))
-        for stream in _block_streams(block, typesize, shuffled, splits):
-            coded = _compress_stream(compressor, stream, probe=splits > 1 or not shuffled)
-            parts += [STREAM_SIZE.pack(len(coded)), coded]
-            at += STREAM_SIZE.size + len(coded)
+        cut = _block_streams(block, typesize, shuffled, splits)
+        streams += cut
+        probes += [splits > 1 or not shuffled] * len(cut)
+        counts.append(len(cut))
+    coded = iter(_compress_streams(zstd_compressor(clevel), streams, probes))
+    starts, parts, at = np.zeros(blocks, "<i4"), [], BLOSC_HEADER.size + 4 * blocks
+    for k, count in enumerate(counts):
+        starts[k] = at
+        for stream in itertools.islice(coded, count):
+            parts += [STREAM_SIZE.pack(len(stream)), stream]
+            at += STREAM_SIZE.size + len(stream)
     if at >= BLOSC_HEADER.size + nbytes:
         return [BLOSC_HEADER.pack(2, ZSTD_VERSION_FORMAT, flags | MEMCPYED, typesize, nbytes, size,
                                   BLOSC_HEADER.size + nbytes), data]
@@ -227,11 +233,20 @@ def _block_streams(block: np.ndarray, typesize: int, shuffled: bool, splits: int
     return list(planes) if splits > 1 else [np.concatenate([planes.reshape(-1), block[items * typesize :]])]
 
 
-def _compress_stream(compressor: zstandard.ZstdCompressor, stream: np.ndarray, probe: bool):
-    """One zstd frame of ``stream``, or ``stream`` itself where that is not smaller (also, when ``probe``: one
-    byte plane or unshuffled bytes, where its first :data:`PROBE_BYTES` gain too little to try the rest)."""
-    if (probe and len(stream) >= 4 * PROBE_BYTES
-            and len(compressor.compress(stream[:PROBE_BYTES])) > PROBE_BYTES * 31 // 32):
-        return stream
-    coded = compressor.compress(stream)
-    return coded if len(coded) < len(stream) else stream
+def _compress_streams(compressor: zstandard.ZstdCompressor, streams: list[np.ndarray], probes: list[bool]) -> list:
+    """Each stream as one zstd frame, or the stream itself where that is not smaller (also, where its ``probes``
+    entry says so: one byte plane or unshuffled bytes, where its first :data:`PROBE_BYTES` gain too little to try the
+    rest). Two calls to zstd for all of them, the probes' and the streams', each releasing the GIL once: a compress
+    thread takes it back after every call, and with many threads those hand-offs, not the cores, are the limit."""
+    probed = [i for i, stream in enumerate(streams) if probes[i] and len(stream) >= 4 * PROBE_BYTES]
+    tried = set(range(len(streams)))
+    if probed:
+        trials = compressor.multi_compress_to_buffer([streams[i][:PROBE_BYTES] for i in probed], threads=0)
+        tried -= {i for i, trial in zip(probed, trials) if len(trial) > PROBE_BYTES * 31 // 32}
+    out = list(streams)
+    if tried:
+        order = sorted(tried)
+        for i, frame in zip(order, compressor.multi_compress_to_buffer([streams[i] for i in order], threads=0)):
+            if len(frame) < len(streams[i]):
+                out[i] = frame
+    return out
