@@ -104,7 +104,7 @@ class HsdataZstd:
         self.compression, self.codec = compression, compression.codec(1)
 
     def encode(self, chunk: np.ndarray) -> bytes:
-        parts = self.compression.encoder(chunk.itemsize)(chunk.reshape(-1).view(np.uint8))
+        (parts,) = self.compression.encoder(chunk.itemsize)([chunk.reshape(-1).view(np.uint8)])
         return b"".join(memoryview(part).cast("B") for part in parts)
 
     def decode(self, buf, out=None):

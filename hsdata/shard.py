@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .io.storage import AtomicWriter
 
 CRC_NBYTES = 4
+CHUNKS_PER_TASK = 4  # whole chunks of the caller's rows compressed by one pool task: fewer GIL hand-offs a chunk
 MISSING = 2**64 - 1
 
 
@@ -140,8 +141,9 @@ class ShardEncoder:
 
 
 class CompressedShardEncoder:
-    """Streams one tensor's rows into a shard file of compressed chunks: each chunk is compressed on ``pool``
-    (straight from the rows where they hold it whole, else gathered first), up to ``in_flight`` chunks at once;
+    """Streams one tensor's rows into a shard file of compressed chunks: chunks are compressed on ``pool``
+    (straight from the rows where they hold them whole, up to ``CHUNKS_PER_TASK`` a task, else gathered first and
+    one a task), up to ``in_flight`` chunks at once;
     the index on ``finish`` records their sizes. A chunk's place in the file is its predecessor's end, known once
     that one is compressed: the thread that compresses the chunk completing the run of compressed chunks since
     the last one placed places that run, so no thread waits for another. Where the file takes positional writes
@@ -159,7 +161,8 @@ class CompressedShardEncoder:
         self._chunk = bytearray(self._chunk_nbytes)
         self._filled = 0
         self._chunks = 0  # chunks handed to the pool
-        self._in_flight: deque[Future] = deque()  # each chunk's compression and write
+        self._in_flight: deque[tuple[Future, int]] = deque()  # each task's compression and write, and its chunks
+        self._in_flight_chunks = 0
         self._spare: deque[bytearray] = deque()  # chunk buffers written already, reused (fresh memory faults pages in)
         self._lock = threading.Lock()  # guards what follows: placing frames in the file
         self._compressed: dict[int, tuple] = {}  # chunk number -> (frame, chunk) compressed, not yet placed
@@ -175,16 +178,18 @@ class CompressedShardEncoder:
         view, direct = memoryview(data).cast("B"), []
         try:
             while view.nbytes:
-                if not self._filled and view.nbytes >= self._chunk_nbytes:
-                    direct.append(self._end_chunk(view[: self._chunk_nbytes]))
-                    view = view[self._chunk_nbytes :]
+                whole = min(view.nbytes // self._chunk_nbytes, CHUNKS_PER_TASK) if not self._filled else 0
+                if whole:
+                    n = self._chunk_nbytes
+                    direct.append(self._end_chunks([view[k * n : (k + 1) * n] for k in range(whole)]))
+                    view = view[whole * n :]
                     continue
                 n = min(view.nbytes, self._chunk_nbytes - self._filled)
                 self._chunk[self._filled : self._filled + n] = view[:n]
                 self._filled += n
                 view = view[n:]
                 if self._filled == self._chunk_nbytes:
-                    self._end_chunk(self._chunk)
+                    self._end_chunks([self._chunk])
                     self._chunk = self._spare.popleft() if self._spare else bytearray(self._chunk_nbytes)
                     self._filled = 0
         except BaseException:
@@ -196,7 +201,7 @@ class CompressedShardEncoder:
         """Compress the last partial chunk zero-padded, wait for every chunk's write, then write the index."""
         if self._filled:
             self._chunk[self._filled :] = bytes(self._chunk_nbytes - self._filled)
-            self._end_chunk(self._chunk)
+            self._end_chunks([self._chunk])
         self.settle()
         index = encode_index(self._sizes, self._num_chunks)
         if self._out.positional:
@@ -206,35 +211,41 @@ class CompressedShardEncoder:
 
     def settle(self) -> None:
         """Wait until no chunk is in flight (none touches the file after this), then raise the first failure."""
-        in_flight, self._in_flight = self._in_flight, deque()
+        in_flight, self._in_flight, self._in_flight_chunks = [task for task, _ in self._in_flight], deque(), 0
         wait(in_flight)
         for task in in_flight:
             task.result()
 
-    def _end_chunk(self, chunk) -> Future:
-        """Hand a whole chunk (this encoder's buffer, or a view of the caller's rows) to the pool; return its
-        compression (done once the chunk is no longer read)."""
-        if self._chunks == self._num_chunks:
+    def _end_chunks(self, chunks: list) -> Future:
+        """Hand whole consecutive chunks (this encoder's buffer, or views of the caller's rows) to the pool as one
+        task; return their compression (done once the chunks are no longer read)."""
+        if self._chunks + len(chunks) > self._num_chunks:
             raise AssertionError("shard overflow: more chunks written than the shard holds")
         compressed: Future = Future()
-        self._in_flight.append(self._pool.submit(self._encode_and_write, self._chunks, chunk, compressed))
-        self._chunks += 1
-        while len(self._in_flight) > self._in_flight_max or (self._in_flight and self._in_flight[0].done()):
-            self._in_flight.popleft().result()
+        task = self._pool.submit(self._encode_and_write, self._chunks, chunks, compressed)
+        self._in_flight.append((task, len(chunks)))
+        self._chunks += len(chunks)
+        self._in_flight_chunks += len(chunks)
+        while self._in_flight and (self._in_flight_chunks > self._in_flight_max or self._in_flight[0][0].done()):
+            task, count = self._in_flight.popleft()
+            self._in_flight_chunks -= count
+            task.result()
         return compressed
 
-    def _encode_and_write(self, number: int, chunk, compressed: Future) -> None:
-        """Compress chunk ``number``, place every compressed chunk whose predecessors are placed, and write them
-        (a pool thread). A chunk that fails is never placed, nor is any after it: the shard is not committed."""
+    def _encode_and_write(self, number: int, chunks: list, compressed: Future) -> None:
+        """Compress chunks ``number, number + 1, ...``, place every compressed chunk whose predecessors are placed,
+        and write them (a pool thread). A chunk that fails is never placed, nor is any after it: the shard is not
+        committed."""
         try:
-            frame = self._encode(chunk)
+            frames = self._encode(chunks)
         except BaseException as e:
             compressed.set_exception(e)
             raise
         compressed.set_result(None)
         with self._lock:
-            self._compressed[number] = frame, chunk
-            placed = []  # (frame, chunk, offset) of each chunk this thread places
+            for k, (frame, chunk) in enumerate(zip(frames, chunks)):
+                self._compressed[number + k] = frame, chunk
+            placed = []  # (frame, chunk, offset) of each chunk this thread places, back to back in the file
             while len(self._sizes) in self._compressed:
                 ready, source = self._compressed.pop(len(self._sizes))
                 size = sum(memoryview(part).nbytes for part in ready)
@@ -246,8 +257,9 @@ class CompressedShardEncoder:
                 writes = not self._writing  # else the thread writing writes these after those before them
                 self._writing = True
         if self._out.positional:
-            for ready, source, offset in placed:
-                self._out.write_at(ready, offset)
+            if placed:
+                self._out.write_at([part for ready, _, _ in placed for part in ready], placed[0][2])
+            for _, source, _ in placed:
                 self._reuse(source)
         elif writes:
             self._write_in_order()
@@ -267,15 +279,18 @@ class CompressedShardEncoder:
         if isinstance(chunk, bytearray):
             self._spare.append(chunk)  # reused only once its frame is written
 
-    def _encode(self, chunk) -> list:
-        """The chunk's frame followed by its crc32c. A frame of the caller's rows is copied where it lies in them (a
+    def _encode(self, chunks: list) -> list[list]:
+        """Each chunk's frame followed by its crc32c. A frame of the caller's rows is copied where it lies in them (a
         copied frame, raw unshuffled bytes): the rows are not read once its compression is done."""
-        frame, crc = self._frame(chunk), 0
-        if not isinstance(chunk, bytearray):
-            frame = [bytes(part) if np.may_share_memory(part, chunk) else part for part in frame]
-        for part in frame:
-            crc = crc32c(part, crc)
-        return [*frame, struct.pack("<I", crc)]
+        out = []
+        for chunk, frame in zip(chunks, self._frame(chunks)):
+            if not isinstance(chunk, bytearray):
+                frame = [bytes(part) if np.may_share_memory(part, chunk) else part for part in frame]
+            crc = 0
+            for part in frame:
+                crc = crc32c(part, crc)
+            out.append([*frame, struct.pack("<I", crc)])
+        return out
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,14 @@ from .errors import DuplicateSampleError, WriterError
 from .layout import (MANIFESTS, PART_ATTRIBUTE, PARTS, PROVENANCE_ATTRIBUTE, ROOT_METADATA, SPEC_ATTRIBUTE,
                      array_document, array_node, check_provenance, encode_json, group_document, load_root,
                      metadata_key, part_node, shard_key)
-from .shard import CompressedShardEncoder, ShardEncoder
+from .shard import CHUNKS_PER_TASK, CompressedShardEncoder, ShardEncoder
 from .spec import FINAL_HIDDEN_STATE, StoreSpec
 from .io.storage import Storage
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 INLINE_BYTES = 1 << 20  # rows of a sample smaller than this are written on the writer thread itself
-# a compressed store's chunks are compressed on this many threads; more than 8 write slower, not faster: each thread takes
-# the GIL back after every zstd, crc32c and write call (benchmarks/RESULTS.md, "Eight compress threads")
+# a compressed store's chunks are compressed on this many threads; more than 8 write slower, not faster: each
+# thread takes the GIL back after every zstd, crc32c and write call (benchmarks/RESULTS.md, "Eight compress threads")
 COMPRESS_THREADS = min(8, os.cpu_count() or 1)
 
 
@@ -60,9 +60,9 @@ def create(url: str, hidden_size: int, aux_layers: list[int], model: str | None 
 
     Memory: ``add`` returns once the sample is queued, and blocks while the queued samples not yet written hold
     more than ``max_pending_bytes`` (1 GiB). A compressed writer also holds, per hidden tensor, up to
-    ``2 * COMPRESS_THREADS + 2`` chunks being compressed and their encoded bytes (measured at H = 7168: 418 MiB
-    on 16 threads, 102 MiB on 2; on the 8 it uses where there are 8 cores, half of 16's: 50 against 99 MiB resident
-    above the samples in one 1.5 GiB write; an uncompressed writer 11 MiB beyond the queued samples).
+    ``COMPRESS_THREADS * CHUNKS_PER_TASK + 2`` (34) chunks being compressed and their encoded bytes (measured at
+    H = 7168: 418 MiB with 34 chunks, 102 MiB on 2 threads; in one 1.5 GiB write at H = 7168, 91 MiB resident above
+    the samples on 8 threads, 22 on 2; an uncompressed writer 11 MiB beyond the queued samples).
     """
     if max_pending_bytes <= 0:
         raise ValueError(f"max_pending_bytes must be positive, got {max_pending_bytes}")
@@ -402,8 +402,9 @@ class _PartWriter:
             writer = self.storage.open_writer(shard_key(self.part, tensor, shard))
             if tensor.compression is None:
                 encoder = ShardEncoder(writer, self.spec, tensor)
-            else:  # up to two chunks in flight per thread: the threads stay busy while others write
-                encoder = CompressedShardEncoder(writer, self.spec, tensor, self._compressor, 2 * COMPRESS_THREADS)
+            else:  # a task's chunks in flight per thread: the threads stay busy while others write
+                encoder = CompressedShardEncoder(writer, self.spec, tensor, self._compressor,
+                                                 COMPRESS_THREADS * CHUNKS_PER_TASK)
             self._files[tensor.name] = (writer, encoder)
         self._shard = shard
 

@@ -78,7 +78,7 @@ def states_bytes(nbytes: int, seed: int = 0) -> bytearray:
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_an_incompressible_chunk_is_stored_as_a_copied_frame(preset):
     chunk = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
-    frame = joined(PRESETS[preset].encoder(2)(chunk))
+    frame = joined(PRESETS[preset].encoder(2)([chunk])[0])
     assert len(frame) == 16 + chunk.nbytes and frame[2] & MEMCPYED
     assert bytes(numcodecs.blosc.decompress(frame)) == chunk.tobytes()
 
@@ -102,7 +102,7 @@ def test_hsdata_zstd_frames_decode_with_blosc_and_parse_as_zstd_streams(typesize
     """Frames of hsdata's own encoder are blosc1 frames: blosc decodes them, and so does the device path's decoder
     from their streams (``blosc_streams``; zstd streams, raw copies and unshuffling as on a GPU, here on the CPU)."""
     chunk = states_bytes(nbytes + nbytes % 2)[:nbytes]
-    frame = joined(Compression("zstd", clevel, shuffle, blocksize).encoder(typesize)(chunk))
+    frame = joined(Compression("zstd", clevel, shuffle, blocksize).encoder(typesize)([chunk])[0])
     assert bytes(numcodecs.blosc.decompress(frame)) == bytes(chunk)
     streams = blosc_streams(frame, nbytes)
     states = decoding.EncodedStates(nbytes, typesize, streams.offsets, streams.sizes, streams.targets, streams.lengths,
@@ -116,13 +116,13 @@ def test_states_frames_hold_byte_planes_and_are_smaller_than_blosc_own():
     is stored raw, the high one (sign and exponent) is one zstd frame; the frame is smaller than c-blosc's own at
     the same level."""
     chunk = states_bytes(1 << 20)
-    frame = joined(PRESETS["zstd"].encoder(2)(chunk))
+    frame = joined(PRESETS["zstd"].encoder(2)([chunk])[0])
     streams = blosc_streams(frame, len(chunk))
     assert list(streams.lengths) == [1 << 19, 1 << 19]
     assert streams.sizes[0] == 1 << 19 and streams.sizes[1] < 0.5 * (1 << 19)
     assert len(frame) < len(PRESETS["zstd"].codec(2).encode(chunk))
     # 2.25 MiB (aux at H = 384): three blocks of 768 KiB rather than 1 + 1 + 0.25 MiB, the last one not cut
-    streams = blosc_streams(joined(PRESETS["zstd"].encoder(2)(states_bytes(9 << 18))), 9 << 18)
+    streams = blosc_streams(joined(PRESETS["zstd"].encoder(2)([states_bytes(9 << 18)])[0]), 9 << 18)
     assert streams.blocksizes[0] == 3 << 18 and list(streams.lengths) == [3 << 17] * 6
 
 
@@ -131,7 +131,7 @@ def test_a_stream_whose_head_does_not_compress_is_stored_raw():
     stored raw even when its rest would compress; one that starts compressible is compressed."""
     noise = np.random.default_rng(1).integers(0, 256, 2 * PROBE_BYTES, dtype=np.uint8).tobytes()
     chunk = noise + bytes(6 * PROBE_BYTES) + bytes(6 * PROBE_BYTES) + noise  # two blocks
-    frame = joined(Compression("zstd", 1, "noshuffle", 8 * PROBE_BYTES).encoder(1)(bytearray(chunk)))
+    frame = joined(Compression("zstd", 1, "noshuffle", 8 * PROBE_BYTES).encoder(1)([bytearray(chunk)])[0])
     streams = blosc_streams(frame, len(chunk))
     assert list(streams.lengths) == [8 * PROBE_BYTES] * 2
     assert streams.sizes[0] == 8 * PROBE_BYTES and streams.sizes[1] < 3 * PROBE_BYTES
@@ -149,7 +149,7 @@ def test_each_byte_plane_is_probed_and_kept_on_its_own():
         planes[list(noisy)] = rng.integers(0, 256, (2, items), dtype=np.uint8)
         blocks.append(planes.T.reshape(-1))
     chunk = np.concatenate(blocks).tobytes()
-    frame = joined(Compression("zstd", 1, "shuffle", 4 * items).encoder(4)(bytearray(chunk)))
+    frame = joined(Compression("zstd", 1, "shuffle", 4 * items).encoder(4)([bytearray(chunk)])[0])
     streams = blosc_streams(frame, len(chunk))
     assert list(streams.lengths) == [items] * 8
     raw = [int(size) == items for size in streams.sizes]
@@ -169,7 +169,7 @@ def test_rows_given_to_a_compressed_shard_are_not_read_once_their_compressions_a
         out = Storage(str(tmp_path)).open_writer("shard")
         encoder = CompressedShardEncoder(out, spec, tensor, pool, in_flight=2)
         reading = encoder.write(memoryview(rows)[: 20 * tensor.row_nbytes])  # two whole chunks, four rows gathered
-        assert len(reading) == 2
+        assert len(reading) == 1  # the two whole chunks are one task
         wait(reading)
         rows[: 20 * tensor.row_nbytes] = bytes(20 * tensor.row_nbytes)
         reading = encoder.write(memoryview(rows)[20 * tensor.row_nbytes :])  # 4 rows gathered, a chunk, 3 gathered
@@ -234,10 +234,10 @@ def test_a_chunk_that_fails_to_compress_fails_its_shard_and_no_chunk_after_it_is
         encoder = CompressedShardEncoder(out, spec, tensor, pool, in_flight=8)
         encode = encoder._frame
 
-        def failing(chunk):
-            if bytes(chunk) == bad:
+        def failing(chunks):
+            if any(bytes(chunk) == bad for chunk in chunks):
                 raise MemoryError("zstd: out of memory")
-            return encode(chunk)
+            return encode(chunks)
 
         encoder._frame = failing
         with pytest.raises(MemoryError, match="out of memory"):
@@ -246,7 +246,8 @@ def test_a_chunk_that_fails_to_compress_fails_its_shard_and_no_chunk_after_it_is
             encoder.finish()
     assert len(encoder._sizes) == 5  # the pool has run every chunk handed to it
     if remote:  # memory:// shows a file as it is written: the five frames placed, in order, and nothing else
-        frames = [joined(encode(rows[k * tensor.chunk_nbytes : (k + 1) * tensor.chunk_nbytes])) for k in range(5)]
+        frames = [joined(frame) for frame in encode([rows[k * tensor.chunk_nbytes : (k + 1) * tensor.chunk_nbytes]
+                                                     for k in range(5)])]
         assert out._file.getvalue() == b"".join(frame + struct.pack("<I", crc32c(frame)) for frame in frames)
     out.abort()
     assert remote or not storage.exists("shard")
@@ -255,9 +256,10 @@ def test_a_chunk_that_fails_to_compress_fails_its_shard_and_no_chunk_after_it_is
 def test_one_encoder_shared_by_threads_writes_what_it_writes_alone():
     encode = PRESETS["zstd"].encoder(2)
     chunks = [states_bytes(1 << 18, seed) for seed in range(24)]
-    alone = [joined(encode(chunk)) for chunk in chunks]
+    alone = [joined(encode([chunk])[0]) for chunk in chunks]
     with ThreadPoolExecutor(4) as pool:
-        assert [joined(parts) for parts in pool.map(encode, chunks)] == alone
+        assert [joined(parts[0]) for parts in pool.map(encode, [[chunk] for chunk in chunks])] == alone
+    assert [joined(parts) for parts in encode(chunks)] == alone  # chunks encoded together: the same frames
 
 
 def test_ranges_cut_at_chunk_boundaries_read_back_exact(tmp_path, ragged_samples):

@@ -165,31 +165,42 @@ def decode_into(data: memoryview, out: memoryview) -> None:
         raise ValueError(f"blosc cannot decompress it: {e}") from None
 
 
-def encode_zstd(chunk, typesize: int, clevel: int, shuffle: bool, blocksize: int) -> list:
-    """``chunk`` (bytes-like) as one blosc1 frame whose streams are standard zstd frames or raw (docs/format.md
-    section 5c), as the buffers to write in order. The chunk is cut into the fewest blocks of about ``blocksize``
-    bytes or less (0: one block), whole items and of equal size where the chunk allows, so that every block is cut into
-    one stream per byte plane when ``shuffle`` (blosc1 never cuts a last, shorter block). A stream is stored raw
-    where zstd does not make it smaller, the whole frame copied where its streams would not. What c-blosc writes
-    for zstd, except that c-blosc does not cut blocks into planes and codes with its own levels
-    (:func:`zstd_compressor`). The GIL is released while zstd runs."""
-    data = np.frombuffer(chunk, np.uint8)
-    nbytes, shuffled = len(data), shuffle and typesize > 1
-    if 0 < blocksize < nbytes:
-        size = -(-nbytes // (-(-nbytes // blocksize) * typesize)) * typesize
-    else:  # one block of whole items (as c-blosc's): bytes past the last item, if any, are a last, shorter one
-        size = nbytes - nbytes % typesize if nbytes > typesize else nbytes
-    blocks = -(-nbytes // size)
+def encode_zstd(chunks: list, typesize: int, clevel: int, shuffle: bool, blocksize: int) -> list[list]:
+    """Each of ``chunks`` (bytes-like) as one blosc1 frame whose streams are standard zstd frames or raw
+    (docs/format.md section 5c), as the buffers to write in order. A chunk is cut into the fewest blocks of about
+    ``blocksize`` bytes or less (0: one block), whole items and of equal size where the chunk allows, so that every
+    block is cut into one stream per byte plane when ``shuffle`` (blosc1 never cuts a last, shorter block). A
+    stream is stored raw where zstd does not make it smaller, the whole frame copied where its streams would not.
+    What c-blosc writes for zstd, except that c-blosc does not cut blocks into planes and codes with its own levels
+    (:func:`zstd_compressor`). Every chunk's frame is what it would be alone; all chunks' streams go to zstd in two
+    calls (:func:`_compress_streams`), each releasing the GIL once."""
+    shuffled = shuffle and typesize > 1
     flags = (SHUFFLED if shuffled else DONT_SPLIT) | ZSTD_FORMAT << 5
-    streams, probes, counts = [], [], []
-    for k in range(blocks):
-        block = data[k * size : (k + 1) * size]
-        splits = split_count(flags, typesize, size, len(block))
-        cut = _block_streams(block, typesize, shuffled, splits)
-        streams += cut
-        probes += [splits > 1 or not shuffled] * len(cut)
-        counts.append(len(cut))
+    layouts, streams, probes = [], [], []  # per chunk: (data, block size, streams of each block)
+    for chunk in chunks:
+        data = np.frombuffer(chunk, np.uint8)
+        nbytes = len(data)
+        if 0 < blocksize < nbytes:
+            size = -(-nbytes // (-(-nbytes // blocksize) * typesize)) * typesize
+        else:  # one block of whole items (as c-blosc's): bytes past the last item, if any, are a last, shorter one
+            size = nbytes - nbytes % typesize if nbytes > typesize else nbytes
+        counts = []
+        for k in range(-(-nbytes // size)):
+            block = data[k * size : (k + 1) * size]
+            splits = split_count(flags, typesize, size, len(block))
+            cut = _block_streams(block, typesize, shuffled, splits)
+            streams += cut
+            probes += [splits > 1 or not shuffled] * len(cut)
+            counts.append(len(cut))
+        layouts.append((data, size, counts))
     coded = iter(_compress_streams(zstd_compressor(clevel), streams, probes))
+    return [_frame(data, typesize, flags, size, counts, coded) for data, size, counts in layouts]
+
+
+def _frame(data: np.ndarray, typesize: int, flags: int, size: int, counts: list[int], coded) -> list:
+    """One chunk's frame as buffers: its blocks' streams, ``counts[k]`` of them for block ``k``, taken from ``coded``;
+    the chunk copied as it is where they would not be smaller."""
+    nbytes, blocks = len(data), len(counts)
     starts, parts, at = np.zeros(blocks, "<i4"), [], BLOSC_HEADER.size + 4 * blocks
     for k, count in enumerate(counts):
         starts[k] = at

@@ -62,15 +62,15 @@ class Compression:
         """blosc's encoder and decoder of single chunks; safe to share between threads."""
         return numcodecs.Blosc(self.cname, self.clevel, SHUFFLES[self.shuffle], self.blocksize, typesize)
 
-    def encoder(self, typesize: int) -> Callable[[Any], list]:
-        """What hsdata's writers compress a chunk with, safe to share between threads: chunk (bytes-like) -> its
-        blosc frame, as buffers to write in order. Frames of zstd streams (:func:`device_decodable`) are written
-        by hsdata's own encoder (``blosc.encode_zstd``), the others by blosc's."""
+    def encoder(self, typesize: int) -> Callable[[list], list[list]]:
+        """What hsdata's writers compress chunks with, safe to share between threads: chunks (bytes-like) -> each
+        one's blosc frame, as buffers to write in order. Frames of zstd streams (:func:`device_decodable`) are
+        written by hsdata's own encoder (``blosc.encode_zstd``), the others by blosc's."""
         if device_decodable(self):
             return partial(blosc.encode_zstd, typesize=typesize, clevel=self.clevel,
                            shuffle=self.shuffle == "shuffle", blocksize=self.blocksize)
         codec = self.codec(typesize)
-        return lambda chunk: [codec.encode(chunk)]
+        return lambda chunks: [[codec.encode(chunk)] for chunk in chunks]
 
     def __str__(self) -> str:
         return f"blosc {self.cname} level {self.clevel}, {self.shuffle}, blocks of {self.blocksize or 'auto'}"
