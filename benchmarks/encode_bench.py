@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--before", help="folder holding an older hsdata as package hsdata_old")
     args = parser.parse_args()
+    if min(args.threads) < 1 or args.seconds <= 0:
+        parser.error("--threads must all be >= 1, --seconds > 0")
     chunks = [activation_chunk(CHUNK // 8192, 4096, seed) for seed in range(8)]
     batch, raw = np.concatenate(chunks), len(chunks) * CHUNK
     buffers: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}

@@ -180,9 +180,9 @@ class CompressedShardEncoder:
             while view.nbytes:
                 whole = min(view.nbytes // self._chunk_nbytes, CHUNKS_PER_TASK) if not self._filled else 0
                 if whole:
-                    n = self._chunk_nbytes
-                    direct.append(self._end_chunks([view[k * n : (k + 1) * n] for k in range(whole)]))
-                    view = view[whole * n :]
+                    size = self._chunk_nbytes
+                    direct.append(self._end_chunks([view[k * size : (k + 1) * size] for k in range(whole)]))
+                    view = view[whole * size :]
                     continue
                 n = min(view.nbytes, self._chunk_nbytes - self._filled)
                 self._chunk[self._filled : self._filled + n] = view[:n]

@@ -194,10 +194,10 @@ def encode_zstd(chunks: list, typesize: int, clevel: int, shuffle: bool, blocksi
             counts.append(len(cut))
         layouts.append((data, size, counts))
     coded = iter(_compress_streams(zstd_compressor(clevel), streams, probes))
-    return [_frame(data, typesize, flags, size, counts, coded) for data, size, counts in layouts]
+    return [_frame_parts(data, typesize, flags, size, counts, coded) for data, size, counts in layouts]
 
 
-def _frame(data: np.ndarray, typesize: int, flags: int, size: int, counts: list[int], coded) -> list:
+def _frame_parts(data: np.ndarray, typesize: int, flags: int, size: int, counts: list[int], coded) -> list:
     """One chunk's frame as buffers: its blocks' streams, ``counts[k]`` of them for block ``k``, taken from ``coded``;
     the chunk copied as it is where they would not be smaller."""
     nbytes, blocks = len(data), len(counts)
@@ -250,14 +250,13 @@ def _compress_streams(compressor: zstandard.ZstdCompressor, streams: list[np.nda
     rest). Two calls to zstd for all of them, the probes' and the streams', each releasing the GIL once: a compress
     thread takes it back after every call, and with many threads those hand-offs, not the cores, are the limit."""
     probed = [i for i, stream in enumerate(streams) if probes[i] and len(stream) >= 4 * PROBE_BYTES]
-    tried = set(range(len(streams)))
+    raw = set()
     if probed:
         trials = compressor.multi_compress_to_buffer([streams[i][:PROBE_BYTES] for i in probed], threads=0)
-        tried -= {i for i, trial in zip(probed, trials) if len(trial) > PROBE_BYTES * 31 // 32}
-    out = list(streams)
+        raw = {i for i, trial in zip(probed, trials) if len(trial) > PROBE_BYTES * 31 // 32}
+    tried, out = [i for i in range(len(streams)) if i not in raw], list(streams)
     if tried:
-        order = sorted(tried)
-        for i, frame in zip(order, compressor.multi_compress_to_buffer([streams[i] for i in order], threads=0)):
+        for i, frame in zip(tried, compressor.multi_compress_to_buffer([streams[i] for i in tried], threads=0)):
             if len(frame) < len(streams[i]):
                 out[i] = frame
     return out
