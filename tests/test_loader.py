@@ -8,6 +8,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from hsdata.shard import token_ranges
 from hsdata.torch import (Eagle3Dataset, Loader, Mixture, ShardAwareSampler, TokenBudgetBatchSampler,
                           collate_eagle3, pack_eagle3, to_device)
 from hsdata.torch.batches import Layout, on_device
+from hsdata.torch.device import _TakenAhead
 
 LENGTHS = [3 + (i * 53) % 120 for i in range(96)]
 MAX_LENGTH = 100
@@ -398,6 +400,32 @@ def test_to_device_moves_nested_batches_and_keeps_other_values():
     assert torch.equal(moved[0]["n"]["b"], torch.ones(2))
     with pytest.raises(ValueError, match="ahead"):
         list(to_device(batches, "cpu", ahead=-1))
+
+
+def test_batches_are_taken_ahead_on_a_thread_in_order_with_errors_passed_on_and_the_source_closed():
+    taken, closed = [], []
+
+    def batches(fail_at):
+        try:
+            for k in range(6):
+                if k == fail_at:
+                    raise ValueError(f"batch {k} is bad")
+                taken.append(threading.current_thread().name)
+                yield k
+        finally:
+            closed.append(fail_at)
+
+    ahead = _TakenAhead(batches(None))
+    assert list(ahead) == list(range(6)) and next(ahead, "end") == "end"
+    assert set(taken) == {"hsdata-host-batches"}
+    ahead.close()
+    failing = _TakenAhead(batches(3))
+    with pytest.raises(ValueError, match="batch 3 is bad"):
+        list(failing)
+    stopped = _TakenAhead(batches(None))
+    assert next(stopped) == 0
+    stopped.close()  # while its thread waits to hand over a batch
+    assert not stopped._thread.is_alive() and closed == [None, 3, None]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

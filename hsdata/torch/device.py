@@ -15,9 +15,9 @@ def to_device(batches: Iterable[Any], device: torch.device | str, *, ahead: int 
               transform: Callable[[Any], Any] | None = None) -> Iterator[Any]:
     """``batches`` (dicts, lists and tuples of tensors and other values) with every tensor moved to ``device``.
 
-    On a CUDA device a feeder thread takes the batches from ``batches`` and copies them on side streams, so
-    waiting for a batch (its reads, a worker) and issuing its copies happen while the step runs, and the copies
-    run on the copy engine; the step's stream waits for batch ``k``'s copy (nothing on the host does). Each of
+    On a CUDA device a thread takes the batches from ``batches``, one ahead, and a feeder thread copies them on
+    side streams, so waiting for a batch (its reads, a worker) and issuing its copies happen while the step runs,
+    side by side, and the copies run on the copy engine; the step's stream waits for batch ``k``'s copy (nothing on the host does). Each of
     the ``ahead + 1`` batches the GPU may hold has a side stream of its own, so one batch's ``transform`` (a
     bundle's decoding, say) does not hold back the next one's copy. The GPU
     holds the batch in use plus up to ``ahead`` more; the host keeps each batch until its copy is done, so pinned
@@ -34,7 +34,7 @@ def to_device(batches: Iterable[Any], device: torch.device | str, *, ahead: int 
             moved = _move(batch, device, non_blocking=False)
             yield moved if transform is None else transform(moved)
         return
-    yield from _CudaPrefetch(iter(batches), device, ahead, transform)
+    yield from _CudaPrefetch(_TakenAhead(iter(batches)), device, ahead, transform)
 
 
 class _CudaPrefetch:
@@ -108,6 +108,60 @@ class _CudaPrefetch:
     def _take_slot(self) -> bool:
         self._slots.acquire()
         return not self._stop.is_set()
+
+
+class _TakenAhead:
+    """``batches`` taken on a thread of their own, one batch ahead of the feeder: the host's work for the next
+    batch (waiting for its reads or a worker, its frame headers, in Python) runs while the feeder issues the
+    copies and the transform of this one (Python too, between CUDA calls that let go of the GIL), instead of
+    after them. ``close`` stops the thread, then closes ``batches``."""
+
+    def __init__(self, batches: Iterator[Any]):
+        self._batches = batches
+        self._taken: queue.Queue = queue.Queue(maxsize=1)  # a batch, _END or a _Failure
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._take, name="hsdata-host-batches", daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        try:
+            for batch in self._batches:
+                if not self._hand_over(batch):
+                    return
+                del batch
+            self._hand_over(_END)
+        except BaseException as error:  # the feeder raises it
+            self._hand_over(_Failure(error))
+
+    def _hand_over(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._taken.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        item = self._taken.get()
+        if item is _END:
+            self._taken.put(_END)  # (asked again, it is still the end)
+            raise StopIteration
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        while not self._taken.empty():
+            self._taken.get()
+        close = getattr(self._batches, "close", None)
+        if close is not None:
+            close()
 
 
 class _Failure:
