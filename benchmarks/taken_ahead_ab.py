@@ -17,32 +17,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
-import loader_bench as lb
+import gpu_decode_sweep
 import hsdata
 import hsdata.torch.device as device
-from hsdata.torch import Eagle3Dataset, Loader, ShardAwareSampler
 
 SETTINGS = ((0, 1), (0, 4), (8, 1), (8, 4))  # (workers, batch)
 TAKEN_AHEAD = device._TakenAhead
 
 
-def warm_epoch_s(path: str, workers: int, batch: int, decode: str, ahead_thread: bool, repeat: int = 3) -> float:
+def warm_epoch_s(path: str, workers: int, batch: int, decode: str, ahead_thread: bool) -> float:
+    """gpu_decode_sweep's warm epoch (the default ``ahead``, bundles and streams), with the batches taken on a
+    thread of their own or by the feeder."""
     device._TakenAhead = TAKEN_AHEAD if ahead_thread else (lambda batches: batches)
     try:
-        dataset = Eagle3Dataset(path)
-        loader = Loader(dataset, batch_size=batch, sampler=ShardAwareSampler(dataset, seed=0), num_workers=workers,
-                        threads=16, multiprocessing_context="fork" if workers else None,
-                        persistent_workers=workers > 0, device="cuda", decode=decode)
-        lb.epoch(loader)
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            lb.epoch(loader)
-            times.append(time.perf_counter() - start)
-        loader.close()
-        return statistics.median(times)
+        return gpu_decode_sweep.warm_epoch_s(path, workers, batch, decode)
     finally:
         device._TakenAhead = TAKEN_AHEAD
 
