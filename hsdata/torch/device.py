@@ -17,10 +17,10 @@ def to_device(batches: Iterable[Any], device: torch.device | str, *, ahead: int 
 
     On a CUDA device a thread takes the batches from ``batches``, one ahead, and a feeder thread copies them on
     side streams, so waiting for a batch (its reads, a worker) and issuing its copies happen while the step runs,
-    side by side, and the copies run on the copy engine; the step's stream waits for batch ``k``'s copy (nothing on the host does). Each of
-    the ``ahead + 1`` batches the GPU may hold has a side stream of its own, so one batch's ``transform`` (a
-    bundle's decoding, say) does not hold back the next one's copy. The GPU
-    holds the batch in use plus up to ``ahead`` more; the host keeps each batch until its copy is done, so pinned
+    side by side, and the copies run on the copy engine; the step's stream waits for batch ``k``'s copy (nothing
+    on the host does). Each of the ``ahead + 1`` batches the GPU may hold has a side stream of its own, so one
+    batch's ``transform`` (a bundle's decoding, say) does not hold back the next one's copy. The GPU holds the
+    batch in use plus up to ``ahead`` more; the host keeps each batch until its copy is done, so pinned
     buffers (``Loader``'s) are reused only then. Copies from pinned memory are asynchronous; from pageable memory
     CUDA stages them, which is correct but slower. Any other device: each batch is moved as it comes.
     ``transform(batch)``: what the loop gets of each moved batch, made on the device (on the side stream: an fp8
