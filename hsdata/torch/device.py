@@ -39,9 +39,10 @@ def to_device(batches: Iterable[Any], device: torch.device | str, *, ahead: int 
 
 class _CudaPrefetch:
     """The feeder thread and the loop's side of it: ``ahead + 1`` slots, one per batch on the GPU not yet done
-    with; the loop frees one each time it asks for the next batch."""
+    with; the loop frees one each time it asks for the next batch. ``batches`` (a :class:`_TakenAhead`) is
+    closed when the feeder stops."""
 
-    def __init__(self, batches: Iterator[Any], device: torch.device, ahead: int,
+    def __init__(self, batches: _TakenAhead, device: torch.device, ahead: int,
                  transform: Callable[[Any], Any] | None):
         self._batches, self._device, self._transform = batches, device, transform
         self._slots = threading.Semaphore(ahead + 1)
@@ -101,9 +102,7 @@ class _CudaPrefetch:
                 for stream in streams:  # no copy may outlive the host buffers it reads
                     stream.synchronize()
                 copying.clear()
-                close = getattr(self._batches, "close", None)
-                if close is not None:
-                    close()
+                self._batches.close()
 
     def _take_slot(self) -> bool:
         self._slots.acquire()
