@@ -93,11 +93,18 @@ def decode(states: EncodedStates, data: torch.Tensor) -> torch.Tensor:
 def decode_many(parts: Sequence[tuple[EncodedStates, torch.Tensor]]) -> list[torch.Tensor]:
     """Each part's rows, as :func:`decode` makes them, with one zstd call for the streams of all of them: nvCOMP's
     batched zstd takes about as long for 8 chunks as for 500 (about 10 ms on an H200), so it pays only when it is
-    given many (benchmarks/RESULTS.md, "GPU decoding")."""
+    given many (benchmarks/RESULTS.md, "GPU decoding"). The chunks of the parts of one tensor (one chunk size and
+    item size) are decoded next to each other and unshuffled together, so a bundle costs a few tensor operations
+    for each tensor, not for each part; each part's rows are views of them (or one copy of its runs)."""
     data = parts[0][1] if len(parts) == 1 else torch.cat([d for _, d in parts])
     data_starts = np.cumsum([0] + [len(d) for _, d in parts])[:-1]
     nbytes = [len(s.blocksizes) * s.chunk_nbytes for s, _ in parts]
-    out_starts = np.cumsum([0] + nbytes)[:-1]
+    groups = collections.defaultdict(list)  # the parts of each tensor, by (chunk size, item size)
+    for k, (states, _) in enumerate(parts):
+        groups[states.chunk_nbytes, states.typesize].append(k)
+    order = [k for members in groups.values() for k in members]
+    out_starts = np.zeros(len(parts), np.int64)
+    out_starts[order] = np.cumsum([0] + [nbytes[k] for k in order])[:-1]
     shuffled = torch.empty(sum(nbytes), dtype=torch.uint8, device=data.device)
     offsets, sizes, targets, lengths = (np.concatenate(v) for v in zip(*(
         (s.stream_offsets + d, s.stream_sizes, s.stream_targets + o, s.stream_lengths)
@@ -107,12 +114,16 @@ def decode_many(parts: Sequence[tuple[EncodedStates, torch.Tensor]]) -> list[tor
     if coded.any():
         decode_zstd(data, (offsets[coded], sizes[coded]), shuffled, (targets[coded], lengths[coded]))
     copy_pieces(data, offsets[raw], shuffled, targets[raw], lengths[raw])
-    rows = []
-    for (states, _), start, n in zip(parts, out_starts.tolist(), nbytes):
-        chunks = shuffled[start : start + n].view(-1, states.chunk_nbytes)
-        flat = _unshuffled(chunks, states.blocksizes, states.typesize).view(-1)
-        runs = [flat[first : first + length] for first, length in states.runs.tolist()]
-        rows.append(runs[0] if len(runs) == 1 else torch.cat(runs or [flat[:0]]))  # one run: a view, no copy
+    rows: list[torch.Tensor | None] = [None] * len(parts)
+    for (chunk_nbytes, typesize), members in groups.items():
+        start = int(out_starts[members[0]])
+        chunks = shuffled[start : start + sum(nbytes[k] for k in members)].view(-1, chunk_nbytes)
+        blocksizes = np.concatenate([parts[k][0].blocksizes for k in members])
+        flat = _unshuffled(chunks, blocksizes, typesize).view(-1)
+        for k in members:
+            base = int(out_starts[k]) - start
+            runs = [flat[base + first : base + first + length] for first, length in parts[k][0].runs.tolist()]
+            rows[k] = runs[0] if len(runs) == 1 else torch.cat(runs or [flat[:0]])  # one run: a view, no copy
     return rows
 
 

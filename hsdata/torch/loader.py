@@ -53,8 +53,9 @@ class Loader:
       bytes (:mod:`hsdata.torch.decoding`; on a GPU by nvCOMP: ``pip install "hsdata[nvcomp-cu12]"`` or
       ``[nvcomp-cu13]``, matching torch's CUDA). Consecutive batches holding 256 MiB of states cross and are
       decoded together (nvCOMP's call takes as long for one batch as for many), and ``ahead`` counts such
-      bundles. The store's per-sample xxh3 is of the decoded rows, so with ``"device"`` only the chunks' crc32c
-      are checked (every byte read is still covered by one).
+      bundles; a batch's decoded states are views of its bundle's, whose memory is reused once no batch of the
+      bundle is referenced. The store's per-sample xxh3 is of the decoded rows, so with ``"device"`` only the
+      chunks' crc32c are checked (every byte read is still covered by one).
 
     A batch's tensors stay valid for as long as they (or views of them) are referenced: memory is reused only
     after that. ``set_epoch``, ``state_dict`` and ``load_state_dict`` go to the sampler, counting the samples (or
