@@ -16,12 +16,12 @@ are GB/s of the samples' states (padding not counted) and ratios against baselin
                read-ahead), same bytes plus chunk checksums
   store[i]     hsdata.open(path, concurrency=--threads) read by --threads threads, one sample each, host memory
 
-Sections (``--parts``): ``warm`` and ``cold`` (page cache dropped before each pass; needs root), ``ranks``
-(--ranks processes, each its sampler's share of one epoch, host delivery, together) and ``consumer`` (a GPU step
-of fixed cost per token sized to --tokens-per-s: the share of time the GPU waits for data). Medians over
---repeat interleaved passes; warm passes follow untimed ones, and every reader is made once and reused, as a
-training job reuses its loader. ``--read-gbps`` caps the run's disk reads (a cgroup throttle): the same machine
-with a slower disk.
+Sections (``--parts``): ``warm`` and ``cold`` (page cache dropped before each pass; needs root), ``ranks`` (--ranks
+processes, each its sampler's share of one epoch, host delivery, together) and ``consumer`` (a GPU step of fixed
+cost per token sized to --tokens-per-s: the share of time the GPU waits for data); with --compression, each also
+reads the compressed store. Medians over --repeat interleaved passes; warm passes follow untimed ones, and every
+reader is made once and reused, as a training job reuses its loader. ``--read-gbps`` caps the run's disk reads (a
+cgroup throttle): the same machine with a slower disk.
 
     python benchmarks/loader_bench.py --dir /tmp/hsbench-loader --gib 1 --hidden 4096 --workers 2
     python benchmarks/loader_bench.py --dir /tmp/hsbench-loader --gib 6 --workers 8 --parts warm cold ranks consumer
@@ -30,6 +30,7 @@ with a slower disk.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing
 import os
@@ -299,6 +300,27 @@ def ranks(path: str, world: int, threads: int, cold: bool) -> dict:
             "gb_per_s": nbytes / (end - start) / 1e9}
 
 
+def rank_rows(stores: dict[str, str], world: int, threads: int, repeat: int) -> list[dict]:
+    """:func:`ranks` over each store (name -> path), warm then cold, ``repeat`` interleaved rounds: each store's
+    median, and a compressed store's ``x_uncompressed`` (the median of the rounds' ratios, each pair read in the
+    same round; decoded by each rank's read threads)."""
+    out = []
+    for cold in (False, True):
+        passes = collections.defaultdict(list)
+        for _ in range(repeat):
+            for name, path in stores.items():
+                passes[name].append(ranks(path, world, threads, cold))
+                log(f"ranks: {name}: {passes[name][-1]}")
+        for name, runs in passes.items():
+            row = {"store": name, **sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2],
+                   "all_seconds": [r["seconds"] for r in runs]}
+            if name != "uncompressed":
+                row["x_uncompressed"] = float(np.median([a["seconds"] / b["seconds"] for a, b in
+                                                         zip(passes["uncompressed"], runs)]))
+            out.append(row)
+    return out
+
+
 def consumer(loader, token_nbytes: int, tokens_per_s: float) -> dict:
     """A GPU step of fixed cost per token (torch.cuda._sleep, calibrated), synchronized at its end as a step that
     logs its loss is: the share of the epoch's wall time the GPU was not running a step (each step timed on the
@@ -354,11 +376,12 @@ def main() -> None:
                         help="also read the same samples stored as float8_e4m3fn, warm and cold (GB/s: of the "
                              "bfloat16 states delivered)")
     parser.add_argument("--compression", choices=["zstd", "lz4"],
-                        help="also read the same samples stored with this compression, warm and cold; every store "
+                        help="also read the same samples stored with this compression (warm, cold, by the ranks "
+                             "and under the consumer, against the uncompressed store); every store "
                              "of the run then holds activation-like states (gaussian values of log-normal scales, "
                              "which compress as a trained model's do) instead of random bits")
-    parser.add_argument("--methods", default="", help="a regular expression: run only the methods whose names "
-                                                            "it finds (default: all)")
+    parser.add_argument("--methods", default="", help="a regular expression: run only the methods (and consumer "
+                                                            "rows) whose names it finds (default: all)")
     parser.add_argument("--read-gbps", type=float, help="cap the run's reads from the disk at this many GB/s "
                         "(a cgroup throttle; root): the same machine with a slower disk")
     parser.add_argument("--json")
@@ -428,18 +451,22 @@ def main() -> None:
                 "Loader fp8, 0 workers, batch 4": hs(0, 4, root=fp8_root),
                 f"Loader fp8, {W} workers, batch 4": hs(W, 4, root=fp8_root)}
 
-    def compressed_methods():  # GB/s of the decompressed states delivered, as for every method
+    def loaders(root=roots["hsdata"], label="", decode="host") -> dict:  # name -> (root, workers, batch, decode)
+        return {f"Loader{label}, {workers} workers{', batch 4' if batch == 4 else ''}": (root, workers, batch, decode)
+                for workers, batch in ((0, 1), (0, 4), (W, 1), (W, 4))}
+
+    def compressed_loaders() -> dict:  # decoded by the read threads (or workers); on the GPU where it can
         if not args.compression:
             return {}
-        c, methods = args.compression, {}
-        ways = {"": "host"}  # decoded by the read threads (or workers); on the GPU where it can
+        c = args.compression
+        settings = loaders(compressed_root, f" {c}")
         if GPU and decoding.decodable(hsdata.open(compressed_root).spec) is None and decoding.nvcomp_available():
-            ways[" GPU decode"] = "device"
-        for name, decode in ways.items():
-            for workers, batch in ((0, 1), (0, 4), (W, 1), (W, 4)):
-                methods[f"Loader {c}{name}, {workers} workers{', batch 4' if batch == 4 else ''}"] = hs(
-                    workers, batch, root=compressed_root, decode=decode)
-        return methods
+            settings.update(loaders(compressed_root, f" {c} GPU decode", "device"))
+        return settings
+
+    def compressed_methods():  # GB/s of the decompressed states delivered, as for every method
+        return {name: hs(workers, batch, root=root, decode=decode)
+                for name, (root, workers, batch, decode) in compressed_loaders().items()}
 
     def formats(workers):
         methods = {}
@@ -490,24 +517,27 @@ def main() -> None:
         save(result)
         del methods
     if "ranks" in args.parts:
-        result["ranks"] = [ranks(roots["hsdata"], args.ranks, max(1, args.threads // args.ranks), cold)
-                           for cold in (False, True)]
-        log(f"ranks: {result['ranks']}")
+        stores = {"uncompressed": roots["hsdata"], **({args.compression: compressed_root} if args.compression else {})}
+        result["ranks"] = rank_rows(stores, args.ranks, max(1, args.threads // args.ranks), args.repeat)
+        save(result)
     if "consumer" in args.parts:
         if not GPU:
             result["consumer"] = "skipped: needs a CUDA GPU"
         else:
             result["consumer"] = []
-            for workers, batch in ((0, 1), (0, 4), (W, 1), (W, 4)):
-                loader = hsdata_loader(roots["hsdata"], args.threads, workers, batch, True, device)
+            settings = {name: setting for name, setting in {**loaders(), **compressed_loaders()}.items()
+                        if re.search(args.methods, name)}
+            for name, (root, workers, batch, decode) in settings.items():
+                loader = hsdata_loader(root, args.threads, workers, batch, True, device, decode)
                 for _ in range(3):  # warm: the page cache, and the loader's memory sized to what is in flight
                     epoch(loader)
                 passes = [consumer(loader, store.spec.token_nbytes, args.tokens_per_s) for _ in range(args.repeat)]
                 row = sorted(passes, key=lambda p: p["waiting"])[len(passes) // 2]  # the median pass
-                result["consumer"].append({"workers": workers, "batch": batch, **row,
+                result["consumer"].append({"method": name, "workers": workers, "batch": batch, **row,
                                            "waiting_all": [p["waiting"] for p in passes]})
                 save(result)
                 log(f"consumer: {result['consumer'][-1]}")
+                del loader
     save(result)
     print(markdown(result))
 
@@ -537,13 +567,14 @@ def markdown(result: dict) -> str:
                   [[r["method"], r["seconds"], r["gb_per_s"], *(r.get(k, "") for k in keys)]
                    for r in result[mode]])
     if "ranks" in result:
-        table("**ranks on one node** (host delivery, together)", ["mode", "ranks", "threads each", "s", "GB/s"],
-              [[r["mode"], r["ranks"], r["threads_each"], r["seconds"], r["gb_per_s"]] for r in result["ranks"]])
-    if isinstance(result.get("consumer"), list):
+        table("**ranks on one node** (host delivery, together)",
+              ["store", "mode", "ranks", "threads each", "s", "GB/s", "x uncompressed"],
+              [[r.get("store", "uncompressed"), r["mode"], r["ranks"], r["threads_each"], r["seconds"], r["gb_per_s"],
+                r.get("x_uncompressed", "")] for r in result["ranks"]])
+    if isinstance(result.get("consumer"), list):  # (rows saved before they had a method name: by workers, batch)
         table(f"**a training step of {a['tokens_per_s']:,.0f} tokens/s on the GPU, warm**",
-              ["workers", "batch", "GPU waiting (median)", "all passes", "first batch s", "longest wait s",
-               "tokens/s", "GB/s"],
-              [[r["workers"], r["batch"], f"{100 * r['waiting']:.1f}%",
+              ["method", "GPU waiting (median)", "all passes", "first batch s", "longest wait s", "tokens/s", "GB/s"],
+              [[r.get("method", f"Loader, {r['workers']} workers, batch {r['batch']}"), f"{100 * r['waiting']:.1f}%",
                 " ".join(f"{100 * w:.1f}%" for w in r["waiting_all"]), f"{r['first_batch_s']:.3f}",
                 f"{r['longest_next_s']:.3f}", f"{r['tokens_per_s']:,.0f}", r["gb_per_s"]]
                for r in result["consumer"]])
