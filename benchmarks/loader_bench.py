@@ -464,9 +464,15 @@ def main() -> None:
             settings.update(loaders(compressed_root, f" {c} GPU decode", "device"))
         return settings
 
-    def compressed_methods():  # GB/s of the decompressed states delivered, as for every method
+    def methods_of(settings: dict) -> dict:
         return {name: hs(workers, batch, root=root, decode=decode)
-                for name, (root, workers, batch, decode) in compressed_loaders().items()}
+                for name, (root, workers, batch, decode) in settings.items()}
+
+    def uncompressed_methods():
+        return methods_of(loaders())
+
+    def compressed_methods():  # GB/s of the decompressed states delivered, as for every method
+        return methods_of(compressed_loaders())
 
     def formats(workers):
         methods = {}
@@ -490,10 +496,9 @@ def main() -> None:
             f"store[i] {args.threads} thr": partial(store_threads, store, order, args.threads),
             f"store[i] {args.threads} thr, verify off": partial(store_threads, plain, order, args.threads),
             "store[i] 1 thr": partial(store_threads, store, order, 1),
-            "Loader, 0 workers": hs(0, 1), "Loader, 0 workers, batch 4": hs(0, 4),
+            **uncompressed_methods(),
             "Loader, 0 workers, verify off": hs(0, 1, verify=False),
             "Loader, 0 workers, batch 4, verify off": hs(0, 4, verify=False),
-            f"Loader, {W} workers": hs(W, 1), f"Loader, {W} workers, batch 4": hs(W, 4),
             "DataLoader + collate_eagle3, 0 workers": partial(epoch, hsdata_dataloader(roots["hsdata"], 0, 1)),
             "DataLoader + collate_eagle3, 0 workers, batch 4": partial(epoch, hsdata_dataloader(roots["hsdata"], 0, 4)),
             f"DataLoader + collate_eagle3, {W} workers": partial(epoch, hsdata_dataloader(roots["hsdata"], W, 1)),
@@ -508,9 +513,7 @@ def main() -> None:
         methods = {
             "raw ranges": RawRanges(roots["hsdata"], order, args.threads),
             "raw files": RawRanges(roots["hsdata"], order, args.threads, whole_files=True),
-            "Loader, 0 workers": hs(0, 1), "Loader, 0 workers, batch 4": hs(0, 4),
-            f"Loader, {W} workers": hs(W, 1), f"Loader, {W} workers, batch 4": hs(W, 4),
-            **fp8_methods(), **compressed_methods(), **formats(W),
+            **uncompressed_methods(), **fp8_methods(), **compressed_methods(), **formats(W),
         }
         result["cold"] = rows(measure(methods, mode="cold", repeat=args.repeat, only=args.methods), gb,
                               {"x_raw": "raw ranges", "x_raw_files": "raw files"})
