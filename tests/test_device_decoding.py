@@ -119,6 +119,56 @@ def test_a_hostile_frame_among_many_is_named_by_its_sample_s_run_and_chunk():
         decoding.EncodedStates.of_samples(data, [(0, first), (len(first.data), second)])
 
 
+def _encoded_tensor(name: str, chunk_values: int, itemsize: int, seeds: range, prefix: int = 0):
+    """A tensor's stored chunks (frames and their crc32c) after ``prefix`` bytes of padding, and its spec."""
+    tensor = TensorSpec(name, f"uint{8 * itemsize}", {1: "uint8", 2: "bfloat16"}[itemsize], chunk_values, 1,
+                        Compression("zstd", 1, "shuffle", 0))
+    codec = tensor.compression.codec(itemsize)
+    frames = [codec.encode(_chunk("states", chunk_values * itemsize, seed)) for seed in seeds]
+    stored = bytes(prefix) + b"".join(f + struct.pack("<I", crc32c(f)) for f in frames)
+    return tensor, stored, [len(f) + 4 for f in frames]
+
+
+def test_tensors_parsed_together_are_parsed_as_each_alone():
+    """One header parse for a batch's tensors (of other chunk and item sizes, at their own places in one block)
+    gives each tensor's streams and runs as parsing it alone does, its offsets counted from its own bytes."""
+    aux, aux_bytes, aux_sizes = _encoded_tensor("aux_hidden_states", 1 << 15, 2, range(4))
+    last, last_bytes, last_sizes = _encoded_tensor("hidden_states", 1 << 16, 1, range(4, 7), prefix=24)
+    block = torch.frombuffer(bytearray(aux_bytes + last_bytes), dtype=torch.uint8)
+    aux_data, last_data = block[: len(aux_bytes)], block[len(aux_bytes) :]
+    aux_samples = [(0, EncodedRows(aux_data, (ChunkRun(0, 0, tuple(aux_sizes[:3]), 100, 150_000),), aux)),
+                   (sum(aux_sizes[:3]), EncodedRows(aux_data, (ChunkRun(1, 0, (aux_sizes[3],), 0, 9),), aux))]
+    last_samples = [(24, EncodedRows(last_data, (ChunkRun(2, 0, tuple(last_sizes[:2]), 7, 70_000),
+                                                 ChunkRun(3, 64, (last_sizes[2],), 0, 1000)), last))]
+    together = decoding.EncodedStates.of_tensors(block, [(0, aux_samples), (len(aux_bytes), last_samples)])
+    alone = [decoding.EncodedStates.of_samples(aux_data, aux_samples),
+             decoding.EncodedStates.of_samples(last_data, last_samples)]
+    for got, want in zip(together, alone):
+        assert (got.chunk_nbytes, got.typesize) == (want.chunk_nbytes, want.typesize)
+        for field in ("stream_offsets", "stream_sizes", "stream_targets", "stream_lengths", "blocksizes", "runs"):
+            assert np.array_equal(getattr(got, field), getattr(want, field)), field
+    for states, data, (tensor, *_, chunks) in zip(together, (aux_data, last_data), (
+            (aux, range(4)), (last, range(4, 7)))):
+        decoded = decoding.decode(states, data).numpy()
+        want = np.concatenate([_chunk("states", tensor.chunk_nbytes, seed) for seed in chunks])
+        runs = [want[first : first + n] for first, n in states.runs.tolist()]
+        assert np.array_equal(decoded, np.concatenate(runs))
+
+
+def test_a_hostile_frame_parsed_with_other_tensors_is_named_by_its_own_tensor_and_chunk():
+    aux, aux_bytes, aux_sizes = _encoded_tensor("aux_hidden_states", 1 << 15, 2, range(2))
+    last, last_bytes, last_sizes = _encoded_tensor("hidden_states", 1 << 15, 2, range(2, 4))
+    at = len(aux_bytes) + last_sizes[0]  # the second chunk of the second tensor: shuffled in items of 4 bytes
+    block = torch.frombuffer(bytearray(aux_bytes + last_bytes), dtype=torch.uint8)
+    block[at + 3] = 4
+    aux_data, last_data = block[: len(aux_bytes)], block[len(aux_bytes) :]
+    parts = [(0, [(0, EncodedRows(aux_data, (ChunkRun(0, 0, tuple(aux_sizes), 0, 9),), aux))]),
+             (len(aux_bytes), [(0, EncodedRows(last_data, (ChunkRun(5, 800, tuple(last_sizes), 0, 9),), last))])]
+    with pytest.raises(hsdata.CorruptDataError, match="^hidden_states: chunk 1 of a run at byte 800 of shard 5: "
+                                                     "shuffled in items of 4 bytes, the tensor's are 2"):
+        decoding.EncodedStates.of_tensors(block, parts)
+
+
 def _frame() -> bytes:
     return numcodecs.Blosc("zstd", 1, numcodecs.Blosc.SHUFFLE, 1 << 16).encode(_chunk("states", 1 << 18, 0)
                                                                              .view(np.uint16))

@@ -57,9 +57,11 @@ class BloscStreams:
     lengths: np.ndarray  # int64 [s]: its decoded bytes; a stream as long as that is stored as it is (raw)
 
 
-def blosc_streams(data, nbytes: int, frames: tuple[np.ndarray, np.ndarray] | None = None) -> BloscStreams:
+def blosc_streams(data, nbytes: int | np.ndarray,
+                  frames: tuple[np.ndarray, np.ndarray] | None = None) -> BloscStreams:
     """The streams of the blosc1 frames at ``frames`` (offsets, sizes; default: all of ``data`` is one frame) of
-    ``data`` (bytes-like), each decompressing to ``nbytes`` and each stream one standard zstd frame or stored raw.
+    ``data`` (bytes-like), each decompressing to ``nbytes`` (one for all, or each frame's) and each stream one
+    standard zstd frame or stored raw.
     :class:`FrameError` naming the first frame found that is not such a frame, and why (every offset is checked
     to lie inside its frame). Mirrors c-blosc 1.x's ``blosc_d``, on all frames at once."""
     buffer = np.frombuffer(data, np.uint8)
@@ -72,8 +74,9 @@ def blosc_streams(data, nbytes: int, frames: tuple[np.ndarray, np.ndarray] | Non
     header = buffer[starts[:, None] + np.arange(BLOSC_HEADER.size)]
     version, flags, typesize = (header[:, k].astype(np.int64) for k in (0, 2, 3))
     total, blocksize, said = header[:, 4:].copy().view("<u4").T.astype(np.int64)
-    _refuse((said != cbytes) | (total != nbytes), None, lambda i: f"its blosc header says {said[i]} bytes "
-            f"decompressing to {total[i]}, the frame holds {cbytes[i]} and should decompress to {nbytes}")
+    expected = np.broadcast_to(np.asarray(nbytes, np.int64), starts.shape)
+    _refuse((said != cbytes) | (total != expected), None, lambda i: f"its blosc header says {said[i]} bytes "
+            f"decompressing to {total[i]}, the frame holds {cbytes[i]} and should decompress to {expected[i]}")
     _refuse((version < min(BLOSC_VERSIONS)) | (version > max(BLOSC_VERSIONS)) | (flags & (BITSHUFFLED | DELTA) != 0)
             | (typesize < 1), None,
             lambda i: f"blosc frame version {version[i]}, flags {flags[i]:#04x}, typesize {typesize[i]}: not a "

@@ -57,31 +57,56 @@ class EncodedStates:
     @classmethod
     def of_samples(cls, data: torch.Tensor, samples: Sequence[tuple[int, EncodedRows]]) -> EncodedStates:
         """The streams and runs of several samples' encoded rows of one tensor in ``data`` (uint8), each ``(where
-        its bytes start in data, its rows)``, in that order: their frames' headers are all parsed at once
-        (``CorruptDataError`` naming a frame that is not blosc zstd with byte shuffle or none)."""
-        tensor = samples[0][1].tensor
-        runs = [run for _, rows in samples for run in rows.runs]
-        sizes = np.fromiter((size for run in runs for size in run.sizes), np.int64)
-        counts = np.array([sum(len(run.sizes) for run in rows.runs) for _, rows in samples])
-        before = np.cumsum(sizes) - sizes  # each frame's start: its sample's, then the sample's chunks before it
-        offsets = before + np.repeat(np.array([start for start, _ in samples]) - before[np.cumsum(counts) - counts],
-                                     counts)
-        firsts = np.cumsum([0] + [len(run.sizes) for run in runs])  # each run's first chunk, then the count
+        its bytes start in data, its rows)``, in that order: :meth:`of_tensors` of the one tensor."""
+        return cls.of_tensors(data, [(0, samples)])[0]
+
+    @classmethod
+    def of_tensors(cls, data: torch.Tensor,
+                   tensors: Sequence[tuple[int, Sequence[tuple[int, EncodedRows]]]]) -> list[EncodedStates]:
+        """Each tensor's :meth:`of_samples`, given as ``(base, samples)``: of its bytes from ``base`` in ``data`` on
+        (its samples' starts and its streams' offsets count from there). The frames' headers of all of them are
+        parsed at once (``CorruptDataError`` naming the tensor, run and chunk of a frame that is not blosc zstd
+        with byte shuffle or none, or not of the tensor's chunk and item size)."""
+        specs, runs, offsets, sizes, firsts = [], [], [], [], []
+        for base, samples in tensors:
+            tensor = samples[0][1].tensor
+            tensor_runs = [run for _, rows in samples for run in rows.runs]
+            frame_sizes = np.fromiter((size for run in tensor_runs for size in run.sizes), np.int64)
+            counts = np.array([sum(len(run.sizes) for run in rows.runs) for _, rows in samples])
+            before = np.cumsum(frame_sizes) - frame_sizes  # a frame's start: its sample's, then its chunks before it
+            sample_starts = base + np.array([start for start, _ in samples])
+            offsets.append(before + np.repeat(sample_starts - before[np.cumsum(counts) - counts], counts))
+            specs.append(tensor)
+            runs.append(tensor_runs)
+            sizes.append(frame_sizes)
+            firsts.append(np.cumsum([0] + [len(run.sizes) for run in tensor_runs]))  # each run's first chunk
+        frame_counts = [len(s) for s in sizes]
+        bounds = np.cumsum([0, *frame_counts])  # each tensor's first frame among all
+        chunk_nbytes, itemsizes = (np.repeat([getattr(t, key) for t in specs], frame_counts)
+                                   for key in ("chunk_nbytes", "itemsize"))
         try:
-            streams = blosc_streams(data.numpy(), tensor.chunk_nbytes, (offsets, sizes - CRC_NBYTES))
-            wrong = np.flatnonzero(streams.shuffled & (streams.typesizes != tensor.itemsize))
+            streams = blosc_streams(data.numpy(), chunk_nbytes, (np.concatenate(offsets),
+                                                                 np.concatenate(sizes) - CRC_NBYTES))
+            wrong = np.flatnonzero(streams.shuffled & (streams.typesizes != itemsizes))
             if len(wrong):
                 raise FrameError(int(wrong[0]), f"shuffled in items of {streams.typesizes[wrong[0]]} bytes, the "
-                                 f"tensor's are {tensor.itemsize}")
+                                 f"tensor's are {itemsizes[wrong[0]]}")
         except FrameError as e:
-            k = int(np.searchsorted(firsts, e.frame, side="right")) - 1
-            raise CorruptDataError(f"{tensor.name}: chunk {e.frame - firsts[k]} of a run at byte "
-                                   f"{runs[k].file_start} of shard {runs[k].shard}: {e}") from None
-        return cls(tensor.chunk_nbytes, tensor.itemsize, streams.offsets, streams.sizes,
-                   streams.targets + streams.frames * tensor.chunk_nbytes, streams.lengths,
-                   np.where(streams.shuffled, streams.blocksizes, 0),
-                   np.array([(first * tensor.chunk_nbytes + run.skip, run.nbytes) for first, run in
-                             zip(firsts.tolist(), runs)], np.int64).reshape(-1, 2))
+            t = int(np.searchsorted(bounds, e.frame, side="right")) - 1
+            frame = e.frame - bounds[t]
+            k = int(np.searchsorted(firsts[t], frame, side="right")) - 1
+            raise CorruptDataError(f"{specs[t].name}: chunk {frame - firsts[t][k]} of a run at byte "
+                                   f"{runs[t][k].file_start} of shard {runs[t][k].shard}: {e}") from None
+        cuts = np.searchsorted(streams.frames, bounds)  # streams are in the order of their frames
+        out = []
+        for t, tensor in enumerate(specs):
+            s, lo, hi = slice(cuts[t], cuts[t + 1]), bounds[t], bounds[t + 1]
+            out.append(cls(tensor.chunk_nbytes, tensor.itemsize, streams.offsets[s] - tensors[t][0], streams.sizes[s],
+                           streams.targets[s] + (streams.frames[s] - lo) * tensor.chunk_nbytes, streams.lengths[s],
+                           np.where(streams.shuffled[lo:hi], streams.blocksizes[lo:hi], 0),
+                           np.array([(first * tensor.chunk_nbytes + run.skip, run.nbytes) for first, run in
+                                     zip(firsts[t].tolist(), runs[t])], np.int64).reshape(-1, 2)))
+        return out
 
 
 def decode(states: EncodedStates, data: torch.Tensor) -> torch.Tensor:

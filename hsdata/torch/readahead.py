@@ -42,7 +42,8 @@ class Pending:
         self._plan = plan(layout, Hidden.of_spec(source.spec, stored=stored), lengths, dense=stored or encoded,
                           encoded=sizes)
         self.nbytes = self._plan.nbytes
-        self._tensors = views(self._plan, take(self._plan.nbytes))
+        self._block = take(self._plan.nbytes)
+        self._tensors = views(self._plan, self._block)
         if layout.pack:
             finish_pack(self._plan, self._tensors)
         groups = _groups(located, source._sample_nbytes[positions])
@@ -68,9 +69,10 @@ class Pending:
         encoded = None
         if self._encoded is not None:
             rows = [sample for _, _, part_rows in parts for sample in part_rows]
-            encoded = {name: EncodedStates.of_samples(self._tensors[encoded_name(name)],
-                                                      [(int(a), sample[name]) for a, sample in zip(starts, rows)])
-                       for name, starts in self._encoded.items()}
+            tensors = [(self._plan.entries[encoded_name(name)].offset,
+                        [(int(a), sample[name]) for a, sample in zip(starts, rows)])
+                       for name, starts in self._encoded.items()]
+            encoded = dict(zip(self._encoded, EncodedStates.of_tensors(self._block, tensors)))
         return Built(self._plan, self._tensors, ids, metas, encoded)
 
     def cancel(self) -> None:
